@@ -61,8 +61,10 @@ def check_hub_command(argv: list[str]) -> dict:
     command = getattr(command, "materialize", lambda: command)()
     try:
         params = command.make_context(argv[1], argv[2:]).params
-    except (click.UsageError, click.exceptions.Exit) as exc:
-        raise ValueError(f"{text}: {getattr(exc, 'format_message', lambda: repr(exc))()}") from exc
+    except click.UsageError as exc:
+        raise ValueError(f"{text}: {exc.format_message()}") from exc
+    except click.exceptions.Exit as exc:  # no_args_is_help and friends print help and exit
+        raise ValueError(f"{text}: the client printed its help instead of parsing") from exc
     if argv[1] == "download":
         files = [f for f in params.get("filenames") or () if not f.endswith("/")]
         if files and (params.get("include") or params.get("exclude")):
