@@ -1,0 +1,204 @@
+"""``python -m sorl_verl.study`` / ``sorl-verl study``: run, inspect and aggregate a study grid.
+
+    python -m sorl_verl.study [run] --grid recipe/sorl/study/stress.yaml [--out DIR] [--only PAT ...]
+                                    [--retry-failed] [--lock PATH|none] [--cell-timeout S] [--dry-run]
+    python -m sorl_verl.study status --grid G [--out DIR] [--only PAT ...]
+    python -m sorl_verl.study aggregate --grid G [--out DIR] [--only PAT ...] [--results docs/results]
+
+``--out`` defaults to ``$SORL_HOME/study/<grid name>``. ``--only`` (repeatable, union) selects
+cells by key ``<regime>/<algorithm>/seed<k>``: a plain string is a substring of the key, a glob
+(``* ? [``) must match the whole key (``many_updates/grpo/*``). ``run`` takes the heavy-job lock
+per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study already runs
+under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png`` and
+``stability_table.md`` (names from ``--name``) into ``--results`` (default: the repository's
+``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``.
+Exit status: 0 ok, 1 a selected cell failed (run) or none finished (aggregate), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sorl_verl.study.grid import Grid, GridError, load_grid
+
+COMMANDS = ("run", "status", "aggregate")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sorl-verl study", description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--grid", required=True, help="grid YAML file (recipe/sorl/study/*.yaml)")
+        sp.add_argument("--out", help="study directory (default $SORL_HOME/study/<grid name>)")
+        sp.add_argument("--only", action="append", default=[], metavar="PAT", help="select cells (repeatable)")
+
+    run = sub.add_parser("run", help="run the grid's cells (default command)")
+    common(run)
+    run.add_argument("--retry-failed", action="store_true", help="re-run cells recorded as failed")
+    run.add_argument("--lock", default="/tmp/sorl-heavy.lock", help="flock file taken per cell, or 'none'")
+    run.add_argument("--cell-timeout", type=float, help="wall limit of one cell in s (default from steps)")
+    run.add_argument("--dry-run", action="store_true", help="list the selected cells and their overrides")
+
+    status = sub.add_parser("status", help="which cells are done / failed / pending")
+    common(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    agg = sub.add_parser("aggregate", help="metrics files -> stability.json, PNGs, markdown table")
+    common(agg)
+    agg.add_argument("--results", help="output directory (default: <repository>/docs/results)")
+    agg.add_argument("--name", default="stability", help="file name stem (default: stability)")
+    agg.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def _out_dir(grid: Grid, out: str | None) -> Path:
+    if out:
+        return Path(out).expanduser().resolve()
+    from sorl_verl.paths import data_home
+
+    return data_home() / "study" / grid.name
+
+
+def _repo_root(grid: Grid) -> Path | None:
+    """The repository holding the grid's config dir (``<repo>/recipe/sorl/config``), if it is one."""
+    root = grid.config_dir.parents[2] if len(grid.config_dir.parents) > 2 else None
+    return root if root is not None and (root / "pyproject.toml").is_file() else None
+
+
+def _cmd_run(a: argparse.Namespace, grid: Grid) -> int:
+    from sorl_verl.study.runner import StudyBusy, cell_state, run_grid
+
+    out = _out_dir(grid, a.out)
+    cells = grid.select(a.only)
+    if not cells:
+        print(f"no cell of {grid.path} matches {a.only}", file=sys.stderr)
+        return 2
+    if a.dry_run:
+        for c in cells:
+            print(f"{c.key}  [{cell_state(out, c)}]  {' '.join(c.hydra_args())}")
+        return 0
+    lock = None if a.lock.lower() in ("", "none") else a.lock
+    print(f"[study] {grid.name}: {len(cells)} cells -> {out}", flush=True)
+    try:
+        counts = run_grid(grid, out, cells, lock=lock, retry_failed=a.retry_failed, timeout_s=a.cell_timeout)
+    except StudyBusy as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(
+        f"[study] {grid.name}: {counts['ran']} run now; {counts['done']} done, {counts['failed']} failed, "
+        f"{counts['unfilled']} unfilled of {len(cells)} selected",
+        flush=True,
+    )
+    return 1 if counts["failed"] else 0
+
+
+def _cmd_status(a: argparse.Namespace, grid: Grid) -> int:
+    from sorl_verl.study.metrics import read_trace
+    from sorl_verl.study.runner import METRICS, cell_dir, cell_state, read_record, study_running
+
+    out = _out_dir(grid, a.out)
+    live = study_running(out)
+    rows = []
+    for c in grid.select(a.only):
+        d = cell_dir(out, c)
+        rec = read_record(d)
+        state = cell_state(out, c, live=live)
+        trace = read_trace(d / METRICS) if state not in ("pending", "unfilled") else None
+        vals = trace.val_scores if trace else []
+        rows.append(
+            {
+                "key": c.key,
+                "state": state,
+                "steps": trace.last_step if trace else 0,
+                "steps_planned": grid.steps,
+                "wall_s": rec.get("wall_s"),
+                "final_val_score": vals[-1][1] if vals else None,
+                "exit_code": rec.get("exit_code"),
+                "reason": rec.get("reason", "") or (", ".join(c.unfilled) + " = ???" if c.unfilled else ""),
+            }
+        )
+    if a.json:
+        print(json.dumps({"study": grid.name, "out": str(out), "running": live, "cells": rows}, indent=1))
+        return 0
+    width = max((len(r["key"]) for r in rows), default=10)
+    print(f"study {grid.name} in {out}{'  (a study process is running)' if live else ''}")
+    for r in rows:
+        wall = f"{r['wall_s']:.0f} s" if r["wall_s"] is not None else "-"
+        val = f"{r['final_val_score']:.3f}" if r["final_val_score"] is not None else "-"
+        print(
+            f"{r['key']:<{width}}  {r['state']:<11} step {r['steps']:>3}/{r['steps_planned']:<3} "
+            f"{wall:>7}  val {val:>5}  {r['reason']}"
+        )
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    print(", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" of {len(rows)}")
+    return 0
+
+
+def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
+    from sorl_verl.study.aggregate import collect, markdown_table, stability, write_stability
+
+    out = _out_dir(grid, a.out)
+    root = _repo_root(grid)
+    if a.results:
+        results = Path(a.results).expanduser().resolve()
+    elif root is not None:
+        results = root / "docs" / "results"
+    else:
+        print(f"{grid.path} is not inside the repository: give --results DIR", file=sys.stderr)
+        return 2
+    cells = grid.select(a.only)
+    found = collect(out, {c.key for c in cells})
+    if not found:
+        print(f"no finished cell of {grid.name} under {out} (run it first)", file=sys.stderr)
+        return 1
+    finished = {rec["key"] for rec, _ in found}
+    grid_arg = str(grid.path.relative_to(root)) if root is not None else str(grid.path)
+    command = f"python -m sorl_verl.study --grid {grid_arg}" + "".join(f" --only {p}" for p in a.only)
+    data = stability(found, grid.name, command, pending=[c.key for c in cells if c.key not in finished])
+    path = write_stability(data, results / f"{a.name}.json")
+    table = markdown_table(data["runs"])
+    (results / f"{a.name}_table.md").write_text(table)
+    print(table)
+    print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
+    if not a.no_plots:
+        from sorl_verl.study.plots import plot_study
+
+        runs = [(rec["regime"], rec["algorithm"], rec["seed"], trace) for rec, trace in found]
+        for p in plot_study(runs, results, a.name):
+            print(f"wrote {p}")
+    for regime, m in data["lr_match"].items():
+        matched = f"{m['matched_lr']:.3g}" if m["matched_lr"] is not None else "- (several lr)"
+        print(
+            f"lr for grpo_lowlr in {regime}: {matched} "
+            f"(= lr {m['lr']} x mean update scale {m['mean_update_scale']:.3f} of {m['runs']} {m['reference']} runs)"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["run", *argv]
+    a = _parser().parse_args(argv)
+    try:
+        grid = load_grid(a.grid)
+    except GridError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if a.command == "run":
+        return _cmd_run(a, grid)
+    if a.command == "status":
+        return _cmd_status(a, grid)
+    return _cmd_aggregate(a, grid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

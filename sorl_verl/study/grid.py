@@ -1,0 +1,481 @@
+"""The study grid: a YAML file of named algorithms and regimes (hydra overrides), seeds and run length.
+
+A grid file (``recipe/sorl/study/<name>.yaml``)::
+
+    name: stress                  # default output: $SORL_HOME/study/<name>
+    include: presets.yaml         # library of algorithms/regimes (path relative to this file)
+    steps: 20                     # trainer.total_training_steps of every cell
+    test_freq: 5                  # trainer.test_freq (validation also at step 0)
+    val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch)
+    seed_keys: [data.seed, ...]   # every key set to the cell's seed
+    common: {key: value}          # overrides of every cell
+    regimes:
+      many_updates:
+        description: 16 updates per rollout
+        overrides: {actor_rollout_ref.actor.ppo_epochs: 4, actor_rollout_ref.actor.optim.lr: 5.0e-4}
+    algorithms:
+      grpo:
+        overrides: {algorithm.adv_estimator: grpo, actor_rollout_ref.actor.policy_loss.loss_mode: vanilla}
+      grpo_lowlr:                 # a per-regime parameter; "???" = not filled yet (cell not runnable)
+        overrides: {...}
+        per_regime: {many_updates: {actor_rollout_ref.actor.optim.lr: "???"}}
+      so_grpo_abs:                # a sweep: so_grpo_abs_tau0.05, so_grpo_abs_tau0.1, ...
+        overrides: {...}
+        sweep: {key: actor_rollout_ref.actor.policy_loss.clip_norm_tau, label: tau, values: [0.05, 0.1]}
+    cells:                        # union of products regimes x algorithms x seeds
+      - {regimes: [many_updates], algorithms: [grpo, so_grpo], seeds: [1, 2, 3]}
+
+Entries of the grid file are merged over the included library key by key (an entry's
+``overrides`` and ``per_regime`` dicts are updated, ``description`` replaced). A cell's
+overrides, later winning: run length and validation size < ``common`` < regime < algorithm <
+algorithm's ``per_regime[regime]`` < seed keys. Keys are plain hydra override keys (``+key`` to
+add a key the config lacks). Every error names the file and line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: value of an override that must be filled before its cells can run (e.g. a calibrated lr)
+PLACEHOLDER = "???"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+KEY_RE = re.compile(r"^(\+{1,2}|~)?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_0-9][A-Za-z0-9_]*)*$")
+GRID_KEYS = {
+    "name",
+    "description",
+    "include",
+    "config_dir",
+    "steps",
+    "test_freq",
+    "val_max_samples",
+    "seed_keys",
+    "common",
+    "algorithms",
+    "regimes",
+    "cells",
+}
+LIBRARY_KEYS = {"description", "seed_keys", "common", "algorithms", "regimes"}
+ENTRY_KEYS = {"description", "overrides", "per_regime", "sweep"}
+SWEEP_KEYS = {"key", "label", "values"}
+CELL_KEYS = {"regimes", "algorithms", "seeds"}
+
+
+class GridError(ValueError):
+    """A bad grid file; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A named algorithm or regime: hydra overrides (+ per-regime ones for algorithms)."""
+
+    name: str
+    description: str = ""
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    per_regime: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run: ``overrides`` are the hydra overrides this cell adds to the base command."""
+
+    index: int
+    regime: str
+    algorithm: str
+    seed: int
+    overrides: Mapping[str, str]
+
+    @property
+    def key(self) -> str:
+        """``<regime>/<algorithm>/seed<k>``, also the run directory under the study's output."""
+        return f"{self.regime}/{self.algorithm}/seed{self.seed}"
+
+    @property
+    def unfilled(self) -> tuple[str, ...]:
+        """Override keys still set to the placeholder ``???`` (the cell cannot run)."""
+        return tuple(k for k, v in self.overrides.items() if v == PLACEHOLDER)
+
+    def hydra_args(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.overrides.items()]
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    path: Path
+    description: str
+    config_dir: Path
+    steps: int
+    test_freq: int
+    val_max_samples: int
+    seed_keys: tuple[str, ...]
+    common: Mapping[str, Any]
+    algorithms: Mapping[str, Entry]
+    regimes: Mapping[str, Entry]
+    cells: tuple[Cell, ...]
+
+    def select(self, patterns: Sequence[str] | None) -> list[Cell]:
+        """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
+        if not patterns:
+            return list(self.cells)
+        return [c for c in self.cells if any(matches(c.key, p) for p in patterns)]
+
+
+def matches(key: str, pattern: str) -> bool:
+    """A glob (``*?[``) is matched against the whole cell key, anything else is a substring of it.
+
+    ``grpo`` selects every cell whose key contains ``grpo`` (so_grpo, grpo_lowlr too);
+    ``many_updates/grpo/*`` only GRPO in that regime; ``*/seed1`` every first seed.
+    """
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return pattern in key
+
+
+def format_value(value: Any) -> str:
+    """A YAML scalar or list as hydra override text (``true``, ``null``, ``0.0005``, ``[a,b]``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int | str):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    raise TypeError(f"unsupported override value {value!r} (use a scalar or a list)")
+
+
+# --- line numbers ---------------------------------------------------------------------------
+
+
+class _Located:
+    """The YAML node tree of one file, to name the line of a key path in error messages."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        try:
+            self.root = yaml.compose(text)
+        except yaml.YAMLError:
+            self.root = None
+
+    def line(self, keys: Sequence[Any]) -> int | None:
+        node = self.root
+        line = None
+        for key in keys:
+            if isinstance(node, yaml.MappingNode):
+                found = next(((k, v) for k, v in node.value if getattr(k, "value", None) == str(key)), None)
+                if found is None:
+                    return line
+                line = found[0].start_mark.line + 1
+                node = found[1]
+            elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+                node = node.value[key]
+                line = node.start_mark.line + 1
+            else:
+                return line
+        return line
+
+    def error(self, keys: Sequence[Any], message: str) -> GridError:
+        line = self.line(keys)
+        where = f"{self.path}:{line}" if line else str(self.path)
+        dotted = ".".join(str(k) for k in keys)
+        return GridError(f"{where}: {dotted + ': ' if dotted else ''}{message}")
+
+
+def _read(path: Path) -> tuple[dict[str, Any], _Located]:
+    if not path.is_file():
+        raise GridError(f"{path}: grid file not found")
+    text = path.read_text()
+    loc = _Located(path, text)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise GridError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise GridError(f"{path}: the file must be a mapping (name, steps, algorithms, regimes, cells, ...)")
+    return data, loc
+
+
+# --- validation helpers ---------------------------------------------------------------------
+
+
+def _check_keys(loc: _Located, keys: Sequence[Any], data: Mapping[str, Any], allowed: set[str]) -> None:
+    for k in data:
+        if k not in allowed:
+            raise loc.error([*keys, k], f"unknown key (allowed: {', '.join(sorted(allowed))})")
+
+
+def _mapping(loc: _Located, keys: Sequence[Any], value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise loc.error(keys, f"must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _overrides(loc: _Located, keys: Sequence[Any], value: Any) -> dict[str, Any]:
+    out = _mapping(loc, keys, value)
+    for k, v in out.items():
+        if not isinstance(k, str) or not KEY_RE.match(k):
+            raise loc.error([*keys, k], "not a hydra override key (dotted name, optional + / ++ / ~ prefix)")
+        if isinstance(v, dict):
+            raise loc.error([*keys, k], "a mapping is not an override value; set its keys one by one")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise loc.error([*keys, k], f"non-finite value {v}")
+    return dict(out)
+
+
+def _positive_int(loc: _Located, keys: Sequence[Any], value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise loc.error(keys, f"must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _name(loc: _Located, keys: Sequence[Any], name: Any) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise loc.error(keys, f"{name!r} is not a valid name (letters, digits, _ . -; used as a directory name)")
+    return name
+
+
+# --- entries --------------------------------------------------------------------------------
+
+
+def _raw_entries(loc: _Located, section: str, data: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, raw in _mapping(loc, [section], data).items():
+        _name(loc, [section, name], name)
+        raw = _mapping(loc, [section, name], raw)
+        _check_keys(loc, [section, name], raw, ENTRY_KEYS if section == "algorithms" else {"description", "overrides"})
+        entry: dict[str, Any] = {"_loc": loc}
+        if "description" in raw:
+            entry["description"] = str(raw["description"])
+        if "overrides" in raw:
+            entry["overrides"] = _overrides(loc, [section, name, "overrides"], raw["overrides"])
+        if "per_regime" in raw:
+            per = _mapping(loc, [section, name, "per_regime"], raw["per_regime"])
+            entry["per_regime"] = {
+                _name(loc, [section, name, "per_regime", r], r): _overrides(loc, [section, name, "per_regime", r], o)
+                for r, o in per.items()
+            }
+        if "sweep" in raw:
+            entry["sweep"] = _sweep(loc, [section, name, "sweep"], raw["sweep"])
+        out[name] = entry
+    return out
+
+
+def _sweep(loc: _Located, keys: list[Any], raw: Any) -> dict[str, Any]:
+    sweep = _mapping(loc, keys, raw)
+    _check_keys(loc, keys, sweep, SWEEP_KEYS)
+    for k in ("key", "values"):
+        if k not in sweep:
+            raise loc.error(keys, f"a sweep needs '{k}'")
+    if not isinstance(sweep["key"], str) or not KEY_RE.match(sweep["key"]):
+        raise loc.error([*keys, "key"], "not a hydra override key")
+    values = sweep["values"]
+    if not isinstance(values, list) or not values or any(isinstance(v, dict | list) for v in values):
+        raise loc.error([*keys, "values"], "must be a non-empty list of scalars")
+    label = sweep.get("label", sweep["key"].rsplit(".", 1)[-1])
+    return {"key": sweep["key"], "label": str(label), "values": list(values)}
+
+
+def _merge(base: dict[str, dict[str, Any]], top: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {name: dict(entry) for name, entry in base.items()}
+    for name, entry in top.items():
+        if name not in out:
+            out[name] = dict(entry)
+            continue
+        merged = out[name]
+        merged["_loc"] = entry["_loc"]
+        if "description" in entry:
+            merged["description"] = entry["description"]
+        if "overrides" in entry:
+            merged["overrides"] = {**merged.get("overrides", {}), **entry["overrides"]}
+        if "per_regime" in entry:
+            per = {r: dict(o) for r, o in merged.get("per_regime", {}).items()}
+            for r, o in entry["per_regime"].items():
+                per[r] = {**per.get(r, {}), **o}
+            merged["per_regime"] = per
+        if "sweep" in entry:
+            merged["sweep"] = entry["sweep"]
+    return out
+
+
+def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Entry], dict[str, list[str]]]:
+    """Entries by name (sweeps expanded into one entry per value) and the names each name stands for."""
+    entries: dict[str, Entry] = {}
+    groups: dict[str, list[str]] = {}
+    for name, e in raw.items():
+        base = {
+            "description": e.get("description", ""),
+            "overrides": e.get("overrides", {}),
+            "per_regime": e.get("per_regime", {}),
+        }
+        sweep = e.get("sweep")
+        if not sweep:
+            entries[name] = Entry(name=name, **base)
+            groups[name] = [name]
+            continue
+        members = []
+        for v in sweep["values"]:
+            member = f"{name}_{sweep['label']}{format_value(v)}"
+            if not NAME_RE.match(member):
+                raise e["_loc"].error([section, name, "sweep"], f"value {v!r} gives the invalid name {member!r}")
+            desc = f"{base['description']} ({sweep['key'].rsplit('.', 1)[-1]}={format_value(v)})".strip()
+            entries[member] = Entry(
+                name=member,
+                description=desc,
+                overrides={**base["overrides"], sweep["key"]: v},
+                per_regime=base["per_regime"],
+            )
+            members.append(member)
+        groups[name] = members
+    for name in groups:
+        for member in groups[name]:
+            if member != name and member in raw:
+                raise raw[name]["_loc"].error([section, name], f"sweep member {member!r} clashes with an entry")
+    return entries, groups
+
+
+# --- the grid -------------------------------------------------------------------------------
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read, validate and expand a grid file; raises :class:`GridError` naming file and line."""
+    path = Path(path).resolve()
+    data, loc = _read(path)
+    _check_keys(loc, [], data, GRID_KEYS)
+
+    lib_alg: dict[str, dict[str, Any]] = {}
+    lib_reg: dict[str, dict[str, Any]] = {}
+    seed_keys: Any = None
+    common: dict[str, Any] = {}
+    if "include" in data:
+        inc_path = (path.parent / str(data["include"])).resolve()
+        if not inc_path.is_file():
+            raise loc.error(["include"], f"{inc_path} not found")
+        lib, lib_loc = _read(inc_path)
+        _check_keys(lib_loc, [], lib, LIBRARY_KEYS)
+        lib_alg = _raw_entries(lib_loc, "algorithms", lib.get("algorithms"))
+        lib_reg = _raw_entries(lib_loc, "regimes", lib.get("regimes"))
+        if "seed_keys" in lib:
+            seed_keys, seed_loc = lib["seed_keys"], lib_loc
+        common = _overrides(lib_loc, ["common"], lib.get("common"))
+    if "seed_keys" in data:
+        seed_keys, seed_loc = data["seed_keys"], loc
+    if seed_keys is None:
+        raise loc.error([], "seed_keys is missing (here or in the included library)")
+    if (
+        not isinstance(seed_keys, list)
+        or not seed_keys
+        or not all(isinstance(k, str) and KEY_RE.match(k) for k in seed_keys)
+    ):
+        raise seed_loc.error(["seed_keys"], "must be a non-empty list of hydra override keys")
+    common = {**common, **_overrides(loc, ["common"], data.get("common"))}
+
+    name = _name(loc, ["name"], data.get("name", path.stem))
+    steps = _positive_int(loc, ["steps"], data.get("steps"))
+    test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
+    val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
+    config_dir = (path.parent / str(data.get("config_dir", "../config"))).resolve()
+    if not (config_dir / "sorl_trainer.yaml").is_file():
+        raise loc.error(["config_dir"], f"{config_dir} has no sorl_trainer.yaml")
+
+    raw_alg = _merge(lib_alg, _raw_entries(loc, "algorithms", data.get("algorithms")))
+    raw_reg = _merge(lib_reg, _raw_entries(loc, "regimes", data.get("regimes")))
+    algorithms, alg_groups = _expand("algorithms", raw_alg)
+    regimes, _ = _expand("regimes", raw_reg)
+    for a in raw_alg.values():
+        for r in a.get("per_regime", {}):
+            if r not in regimes:
+                name_of = next(n for n, v in raw_alg.items() if v is a)
+                raise a["_loc"].error(["algorithms", name_of, "per_regime", r], f"unknown regime {r!r}")
+
+    base = {
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": test_freq,
+        "data.val_max_samples": val_max_samples,
+        "data.val_batch_size": val_max_samples,
+    }
+    cells = _cells(loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys))
+    return Grid(
+        name=name,
+        path=path,
+        description=str(data.get("description", "")).strip(),
+        config_dir=config_dir,
+        steps=steps,
+        test_freq=test_freq,
+        val_max_samples=val_max_samples,
+        seed_keys=tuple(seed_keys),
+        common=common,
+        algorithms=algorithms,
+        regimes=regimes,
+        cells=tuple(cells),
+    )
+
+
+def _names(loc: _Located, keys: list[Any], value: Any, known: Iterable[str], what: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise loc.error(keys, f"must be a non-empty list of {what} names")
+    known = list(known)
+    for i, v in enumerate(value):
+        if v not in known:
+            raise loc.error([*keys, i], f"unknown {what} {v!r} (known: {', '.join(known)})")
+    return value
+
+
+def _cells(
+    loc: _Located,
+    raw: Any,
+    algorithms: Mapping[str, Entry],
+    alg_groups: Mapping[str, list[str]],
+    regimes: Mapping[str, Entry],
+    base: Mapping[str, Any],
+    common: Mapping[str, Any],
+    seed_keys: tuple[str, ...],
+) -> list[Cell]:
+    if not isinstance(raw, list) or not raw:
+        raise loc.error(["cells"], "must be a non-empty list of {regimes, algorithms, seeds}")
+    cells: list[Cell] = []
+    seen: set[tuple[str, str, int]] = set()
+    for i, block in enumerate(raw):
+        block = _mapping(loc, ["cells", i], block)
+        _check_keys(loc, ["cells", i], block, CELL_KEYS)
+        for k in CELL_KEYS:
+            if k not in block:
+                raise loc.error(["cells", i], f"needs '{k}'")
+        regs = _names(loc, ["cells", i, "regimes"], block["regimes"], regimes, "regime")
+        algs = _names(loc, ["cells", i, "algorithms"], block["algorithms"], alg_groups, "algorithm")
+        seeds = block["seeds"]
+        if (
+            not isinstance(seeds, list)
+            or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        ):
+            raise loc.error(["cells", i, "seeds"], "must be a non-empty list of integers >= 0")
+        for r in regs:
+            for group in algs:
+                for a in alg_groups[group]:
+                    for s in seeds:
+                        if (r, a, s) in seen:
+                            continue
+                        seen.add((r, a, s))
+                        merged: dict[str, Any] = {**base, **common, **regimes[r].overrides}
+                        merged.update(algorithms[a].overrides)
+                        merged.update(algorithms[a].per_regime.get(r, {}))
+                        merged.update({k: s for k in seed_keys})
+                        overrides = {k: format_value(v) for k, v in merged.items()}
+                        cells.append(Cell(index=len(cells), regime=r, algorithm=a, seed=s, overrides=overrides))
+    return cells

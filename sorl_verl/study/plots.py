@@ -1,0 +1,123 @@
+"""One PNG per regime: per algorithm, the mean over seeds and the min-max band, metric vs step.
+
+Panels (a panel no run of the regime logged is left out): validation score (mean over data
+sources, the collapse rule's threshold is not drawn: it is relative to each run's own peak),
+training reward, turn clip fraction, Z, SORL update scale, ppo_kl, grad norm, entropy, response
+length. At a step, the mean and band are over the seeds that logged it. Colours are fixed per
+algorithm across the figures of one study.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sorl_verl.study.metrics import Trace
+
+#: (title, training metric key or None for the validation score, log scale)
+PANELS: tuple[tuple[str, str | None, bool], ...] = (
+    ("validation score (mean over splits)", None, False),
+    ("training reward (critic/score/mean)", "critic/score/mean", False),
+    ("turn clip fraction (sorl/turn_clipfrac)", "actor/sorl/turn_clipfrac", False),
+    ("Z (sorl/norm_factor)", "actor/sorl/norm_factor", False),
+    ("update scale (sorl/update_scale)", "actor/sorl/update_scale", False),
+    ("ppo_kl", "actor/ppo_kl", False),
+    ("grad norm (actor/grad_norm)", "actor/grad_norm", True),
+    ("entropy (actor/entropy)", "actor/entropy", False),
+    ("response length (mean tokens)", "response_length/mean", False),
+)
+
+
+def _points(trace: Trace, key: str | None) -> list[tuple[int, float]]:
+    pts = trace.val_scores if key is None else trace.series(key)
+    return [(s, v) for s, v in pts if math.isfinite(v)]
+
+
+def band(series: Sequence[Sequence[tuple[int, float]]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the runs that logged each step."""
+    at: dict[int, list[float]] = defaultdict(list)
+    for pts in series:
+        for s, v in pts:
+            at[s].append(v)
+    steps = sorted(at)
+    return steps, [sum(at[s]) / len(at[s]) for s in steps], [min(at[s]) for s in steps], [max(at[s]) for s in steps]
+
+
+def algorithm_colors(algorithms: Sequence[str]) -> dict[str, Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20" if len(algorithms) > 10 else "tab10"]
+    return {a: cmap(i % cmap.N) for i, a in enumerate(sorted(algorithms))}
+
+
+def plot_regime(
+    regime: str,
+    runs: Sequence[tuple[str, int, Trace]],
+    path: Path,
+    colors: dict[str, Any] | None = None,
+    title: str = "",
+) -> Path | None:
+    """Write ``path`` for one regime from (algorithm, seed, trace) triples; None when nothing is logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_alg: dict[str, list[Trace]] = defaultdict(list)
+    for algorithm, _, trace in runs:
+        by_alg[algorithm].append(trace)
+    panels = [p for p in PANELS if any(_points(t, p[1]) for ts in by_alg.values() for t in ts)]
+    if not panels:
+        return None
+    colors = colors or algorithm_colors(list(by_alg))
+    ncols = 3
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows + 0.9), squeeze=False)
+    for ax, (name, key, log_y) in zip(axes.flat, panels, strict=False):
+        for algorithm in sorted(by_alg):
+            traces = by_alg[algorithm]
+            steps, mean, lo, hi = band([_points(t, key) for t in traces])
+            if not steps:
+                continue
+            c = colors[algorithm]
+            marker = "o" if key is None else None
+            ax.plot(steps, mean, color=c, marker=marker, ms=3, lw=1.4, label=f"{algorithm} (n={len(traces)})")
+            if len(traces) > 1:
+                ax.fill_between(steps, lo, hi, color=c, alpha=0.15, lw=0)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if log_y:
+            ax.set_yscale("symlog", linthresh=1e-3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for ax in axes.flat:
+        h, lab = ax.get_legend_handles_labels()
+        if len(lab) > len(labels):
+            handles, labels = h, lab
+    fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
+    fig.suptitle(title or f"regime: {regime}  (line: mean over seeds, band: min-max)", fontsize=10, y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / (3.4 * nrows + 0.9) - 0.02))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_study(runs: Sequence[tuple[str, str, int, Trace]], out_dir: Path, prefix: str) -> list[Path]:
+    """One ``<prefix>_<regime>.png`` per regime from (regime, algorithm, seed, trace)."""
+    colors = algorithm_colors(sorted({a for _, a, _, _ in runs}))
+    by_regime: dict[str, list[tuple[str, int, Trace]]] = defaultdict(list)
+    for regime, algorithm, seed, trace in runs:
+        by_regime[regime].append((algorithm, seed, trace))
+    written = []
+    for regime in sorted(by_regime):
+        p = plot_regime(regime, by_regime[regime], out_dir / f"{prefix}_{regime}.png", colors)
+        if p is not None:
+            written.append(p)
+    return written

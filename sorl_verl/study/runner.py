@@ -1,0 +1,410 @@
+"""Run the cells of a grid: one verl ``main_ppo`` process per cell, the way ``scripts/demo.sh`` runs it.
+
+Per study invocation: the embedded default (built on first use; the model aliased for ChatML by
+:func:`~sorl_verl.cpu.chatml_alias.chatml_alias`) and one retrieval server
+(``python -m sorl_verl.retrieval.server --index ... --port 0 --port-file ...``) shared by the cells.
+Per cell, under the shared heavy-job lock (``flock`` on ``/tmp/sorl-heavy.lock``, taken per cell
+so other heavy jobs can interleave)::
+
+    VERL_PLATFORM=cpu VERL_FILE_LOGGER_PATH=<cell>/metrics.jsonl python -m verl.trainer.main_ppo \\
+        --config-path <grid config_dir> --config-name sorl_trainer +task=search_qa +platform=cpu \\
+        data.train_files=... data.val_files=... actor_rollout_ref.model.path=... \\
+        sorl.agent.retrieval_url=... trainer.experiment_name=... trainer.default_local_dir=... <cell overrides>
+
+Run directory ``<out>/<regime>/<algorithm>/seed<k>/``: ``metrics.jsonl``, ``train.log`` and
+``cell.json`` (command, overrides, status, exit code, wall time, last log lines). Status
+``done`` (exit 0 and every step logged) is the completed marker: such a cell is skipped.
+``failed`` is recorded and the grid goes on (re-run with ``retry_failed``). A cell found
+``running`` or ``interrupted`` was cut off: it is restarted from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from sorl_verl.study.grid import Cell, Grid
+from sorl_verl.study.metrics import Trace, read_trace
+
+DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
+RECORD = "cell.json"
+METRICS = "metrics.jsonl"
+LOG = "train.log"
+#: what a restarted cell removes from its directory
+RUN_OUTPUTS = (METRICS, LOG, "checkpoints")
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The embedded default's files and the retrieval endpoint shared by every cell."""
+
+    train: Path
+    val: Path
+    model: Path
+    retrieval_url: str
+
+
+def cell_dir(out: Path, cell: Cell) -> Path:
+    return out / cell.regime / cell.algorithm / f"seed{cell.seed}"
+
+
+def read_record(directory: Path) -> dict[str, Any]:
+    """The cell's ``cell.json`` ({} when absent or unreadable: the cell is pending)."""
+    try:
+        return json.loads((directory / RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_record(directory: Path, record: dict[str, Any]) -> None:
+    """Atomically replace ``cell.json`` (never half-written)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    tmp.replace(directory / RECORD)
+
+
+def cell_command(grid: Grid, cell: Cell, inputs: Inputs, directory: Path) -> list[str]:
+    """The exact ``main_ppo`` command of a cell (cell overrides win over the base ones)."""
+    base = {
+        "data.train_files": str(inputs.train),
+        "data.val_files": str(inputs.val),
+        "actor_rollout_ref.model.path": str(inputs.model),
+        "sorl.agent.retrieval_url": inputs.retrieval_url,
+        "trainer.experiment_name": f"{grid.name}-{cell.regime}-{cell.algorithm}-seed{cell.seed}",
+        "trainer.default_local_dir": str(directory / "checkpoints"),
+    }
+    overrides = {**base, **cell.overrides}
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(grid.config_dir),
+        "--config-name",
+        "sorl_trainer",
+        "+task=search_qa",
+        "+platform=cpu",
+        *[f"{k}={v}" for k, v in overrides.items()],
+    ]
+
+
+def cell_env(directory: Path) -> dict[str, str]:
+    """The environment scripts/demo.sh gives main_ppo, with the cell's metrics file."""
+    return {
+        "VERL_PLATFORM": "cpu",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "VERL_FILE_LOGGER_PATH": str(directory / METRICS),
+    }
+
+
+def default_timeout_s(grid: Grid) -> float:
+    """Generous wall limit of one cell: 10 min of start-up slack + 1 min per step and per validation."""
+    return 600.0 + 60.0 * grid.steps + 60.0 * (1 + grid.steps // grid.test_freq)
+
+
+# --- locks ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def flocked(path: str | None, wait_note: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock(2)`` on ``path`` (the lock ``flock(1)`` takes); no-op for None."""
+    if not path:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if wait_note:
+                wait_note()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class StudyBusy(RuntimeError):
+    """Another study process holds the output directory."""
+
+
+@contextlib.contextmanager
+def study_lock(out: Path) -> Iterator[None]:
+    """Exclusive ownership of ``out`` (``<out>/.study.lock``), so two runs never share a cell."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / ".study.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StudyBusy(f"another study process is running on {out}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def study_running(out: Path) -> bool:
+    """True while some process holds ``<out>/.study.lock``."""
+    if not (out / ".study.lock").exists():
+        return False
+    fd = os.open(out / ".study.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+# --- one cell -------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _log_tail(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln for ln in lines if ln.strip()][-n:]
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def progress_line(tag: str, step: int, steps: int, trace: Trace, elapsed: float) -> str:
+    """``[study i/n key] step s/S  val v (@step)  reward r  Z z  elapsed t s``."""
+    m = trace.train.get(step, {})
+    vals = trace.val_scores
+    val = f"val {vals[-1][1]:.3f} (@{vals[-1][0]})" if vals else "val -"
+    parts = [f"{tag} step {step}/{steps}", val, f"reward {_fmt(m.get('critic/score/mean'))}"]
+    if "actor/sorl/norm_factor" in m:
+        parts.append(f"Z {_fmt(m['actor/sorl/norm_factor'])}")
+    if "actor/ppo_kl" in m:
+        parts.append(f"kl {m['actor/ppo_kl']:.2g}")
+    parts.append(f"elapsed {elapsed:.0f} s")
+    return "  ".join(parts)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM then SIGKILL to the process group main_ppo leads (its Ray processes included)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_cell(
+    grid: Grid,
+    cell: Cell,
+    directory: Path,
+    inputs: Inputs,
+    *,
+    tag: str,
+    timeout_s: float,
+    out: TextIO = sys.stdout,
+    poll_s: float = 2.0,
+) -> dict[str, Any]:
+    """Run one cell from scratch in ``directory``; returns (and writes) its final record."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in RUN_OUTPUTS:
+        p = directory / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    cmd = cell_command(grid, cell, inputs, directory)
+    env_add = cell_env(directory)
+    record: dict[str, Any] = {
+        "grid": grid.name,
+        "grid_file": str(grid.path),
+        "key": cell.key,
+        "regime": cell.regime,
+        "algorithm": cell.algorithm,
+        "seed": cell.seed,
+        "steps": grid.steps,
+        "overrides": dict(cell.overrides),
+        "command": cmd,
+        "command_line": " ".join(f"{k}={shlex.quote(v)}" for k, v in env_add.items()) + " " + shlex.join(cmd),
+        "env": env_add,
+        "status": "running",
+        "started": _now(),
+        "host": os.uname().nodename,
+        "runner_pid": os.getpid(),
+    }
+    write_record(directory, record)
+    t0 = time.monotonic()
+    seen_step, seen_vals = 0, 0
+    exit_code: int | None = None
+    reason = ""
+    with open(directory / LOG, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_add}, start_new_session=True
+        )
+        record["pid"] = proc.pid
+        write_record(directory, record)
+        try:
+            while True:
+                exit_code = proc.poll()
+                trace = read_trace(directory / METRICS)
+                elapsed = time.monotonic() - t0
+                if len(trace.val_scores) > seen_vals or trace.last_step > seen_step:
+                    seen_vals, seen_step = len(trace.val_scores), trace.last_step
+                    print(progress_line(tag, seen_step, grid.steps, trace, elapsed), file=out, flush=True)
+                if exit_code is not None:
+                    break
+                if elapsed > timeout_s:
+                    reason = f"timed out after {timeout_s:.0f} s"
+                    _stop_group(proc)
+                    exit_code = proc.returncode
+                    break
+                time.sleep(poll_s)
+        except BaseException:
+            _stop_group(proc)
+            record.update(status="interrupted", exit_code=proc.returncode, wall_s=round(time.monotonic() - t0, 1))
+            write_record(directory, record)
+            raise
+    trace = read_trace(directory / METRICS)
+    wall = time.monotonic() - t0
+    complete = exit_code == 0 and trace.last_step >= grid.steps
+    if exit_code == 0 and not complete:
+        reason = f"exited 0 after step {trace.last_step} of {grid.steps}"
+    elif exit_code != 0 and not reason:
+        reason = f"main_ppo exited with code {exit_code}"
+    record.update(
+        status="done" if complete else "failed",
+        finished=_now(),
+        wall_s=round(wall, 1),
+        exit_code=exit_code,
+        steps_done=trace.last_step,
+        reason=reason,
+        log_tail=[] if complete else _log_tail(directory / LOG),
+    )
+    write_record(directory, record)
+    return record
+
+
+# --- the grid -------------------------------------------------------------------------------
+
+
+def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
+    """done | failed | unfilled | pending | running (``live``: a study process holds ``out``) | interrupted."""
+    status = read_record(cell_dir(out, cell)).get("status")
+    if status in ("done", "failed"):
+        return status
+    if cell.unfilled:
+        return "unfilled"
+    if status in ("running", "interrupted"):
+        return "running" if (live and status == "running") else "interrupted"
+    return "pending"
+
+
+def prepare_inputs(lock: str | None, log: TextIO) -> tuple[Inputs, Any]:
+    """Build/load the embedded default (under the heavy lock) and start the retrieval server.
+
+    Returns the inputs and the server (``.stop()`` it when done).
+    """
+    from sorl_verl.cpu.chatml_alias import chatml_alias
+    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.retrieval.server import serve_in_background
+
+    with flocked(lock, lambda: print(f"[study] waiting for {lock} (embedded default)", file=log, flush=True)):
+        with contextlib.redirect_stdout(sys.stderr):
+            paths = ensure_embedded_default()
+        model = chatml_alias(paths.model_dir)
+    server = serve_in_background(paths.index_dir, subprocess_mode=True)
+    print(f"[study] retrieval server {server.retrieve_url} (pid {server.pid})", file=log, flush=True)
+    inputs = Inputs(
+        train=paths.parquet["train"], val=paths.parquet["val"], model=model, retrieval_url=server.retrieve_url
+    )
+    return inputs, server
+
+
+def run_grid(
+    grid: Grid,
+    out: Path,
+    cells: Sequence[Cell],
+    *,
+    lock: str | None = DEFAULT_LOCK,
+    retry_failed: bool = False,
+    timeout_s: float | None = None,
+    log: TextIO = sys.stdout,
+    inputs: Inputs | None = None,
+) -> dict[str, int]:
+    """Run ``cells`` in order (done ones skipped); counts of the final states of these cells.
+
+    ``inputs``: give them to skip the embedded default and the server (tests); by default they
+    are prepared on the first cell that has to run and the server is stopped at the end.
+    """
+    timeout_s = timeout_s or default_timeout_s(grid)
+    counts = {"done": 0, "failed": 0, "unfilled": 0, "ran": 0}
+    server = None
+    n = len(cells)
+    with study_lock(out):
+        try:
+            for i, cell in enumerate(cells, 1):
+                tag = f"[study {i}/{n} {cell.key}]"
+                state = cell_state(out, cell)
+                if state == "done" or (state == "failed" and not retry_failed):
+                    counts[state] += 1
+                    rec = read_record(cell_dir(out, cell))
+                    extra = "" if state == "done" else f": {rec.get('reason', '')} (--retry-failed re-runs it)"
+                    print(f"{tag} {state}, skipped{extra}", file=log, flush=True)
+                    continue
+                if state == "unfilled":
+                    counts["unfilled"] += 1
+                    print(f"{tag} skipped: {', '.join(cell.unfilled)} still '???' in the grid", file=log, flush=True)
+                    continue
+                if inputs is None:
+                    inputs, server = prepare_inputs(lock, log)
+                if state == "interrupted":
+                    print(f"{tag} was interrupted: restarting from scratch", file=log, flush=True)
+                with flocked(lock, lambda tag=tag: print(f"{tag} waiting for {lock}", file=log, flush=True)):
+                    print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
+                    rec = run_cell(grid, cell, cell_dir(out, cell), inputs, tag=tag, timeout_s=timeout_s, out=log)
+                counts["ran"] += 1
+                counts[rec["status"]] += 1
+                print(_finished_line(tag, rec, cell_dir(out, cell)), file=log, flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+    return counts
+
+
+def _finished_line(tag: str, rec: dict[str, Any], directory: Path) -> str:
+    from sorl_verl.study.collapse import judge
+
+    trace = read_trace(directory / METRICS)
+    v = judge(trace.val_scores, trace.first_nonfinite(), rec.get("exit_code"), trace.last_step)
+    vals = trace.val_scores
+    score = (
+        f"val {vals[0][1]:.3f} -> {vals[-1][1]:.3f} (peak {max(s for _, s in vals):.3f})" if vals else "no validation"
+    )
+    verdict = ("COLLAPSED: " + v.reason) if v.collapsed else ("not judged: " + v.reason if not v.judged else "stable")
+    if rec["status"] == "done":
+        return f"{tag} done in {rec['wall_s']:.0f} s: {score}; {verdict}"
+    return f"{tag} FAILED in {rec['wall_s']:.0f} s ({rec['reason']}; see {directory / LOG}): {score}; {verdict}"

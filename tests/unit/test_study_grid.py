@@ -1,0 +1,231 @@
+"""Grid files of the stability study (sorl_verl/study/grid.py): the committed grids and bad input."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sorl_verl.study.grid import PLACEHOLDER, GridError, format_value, load_grid, matches
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY = ROOT / "recipe" / "sorl" / "study"
+CPU = yaml.safe_load((ROOT / "recipe" / "sorl" / "config" / "platform" / "cpu.yaml").read_text())
+ACTOR = "actor_rollout_ref.actor"
+LOSS = f"{ACTOR}.policy_loss"
+
+
+def cpu_default(key: str):
+    node = CPU
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def updates_per_rollout(overrides: dict[str, str]) -> int:
+    """ppo_epochs x mini-batches per rollout, the CPU overlay's value where the cell does not set it."""
+    epochs = int(overrides.get(f"{ACTOR}.ppo_epochs", cpu_default(f"{ACTOR}.ppo_epochs")))
+    batch = int(overrides.get("data.train_batch_size", cpu_default("data.train_batch_size")))
+    mini = int(overrides.get(f"{ACTOR}.ppo_mini_batch_size", cpu_default(f"{ACTOR}.ppo_mini_batch_size")))
+    return epochs * batch // mini
+
+
+def test_stress_grid_has_the_issue_comparison():
+    grid = load_grid(STUDY / "stress.yaml")
+    assert grid.name == "stress" and grid.config_dir == ROOT / "recipe" / "sorl" / "config"
+    seeds: dict[tuple[str, str], set[int]] = {}
+    for c in grid.cells:
+        seeds.setdefault((c.regime, c.algorithm), set()).add(c.seed)
+    assert len({c.key for c in grid.cells}) == len(grid.cells)
+    # >= 3 seeds for grpo and so_grpo in the main regime and in each other off-policy regime
+    for regime in ("many_updates", "stale_async", "mismatch"):
+        assert len(seeds[(regime, "grpo")]) >= 3 and len(seeds[(regime, "so_grpo")]) >= 3
+    wanted = {"turn_ppo", "s_ppo", "gspo", "geo_mean", "cispo", "grpo_rc", "grpo_lowlr", "ppo", "so_ppo"}
+    wanted |= {"so_grpo_update", "so_grpo_loss"}
+    assert wanted <= {a for r, a in seeds if r == "many_updates"}
+    for reference in ("abs", "rel"):
+        sweep = [a for r, a in seeds if r == "many_updates" and a.startswith(f"so_grpo_{reference}_tau")]
+        assert len(sweep) >= 3, sweep
+    assert {"on_policy", "stale_async_separate"} <= {r for r, _ in seeds}
+
+
+def overrides_of(grid, regime: str, algorithm: str) -> dict[str, str]:
+    return next(c.overrides for c in grid.cells if c.regime == regime and c.algorithm == algorithm)
+
+
+def test_regimes_are_off_policy_as_the_issue_defines():
+    grid = load_grid(STUDY / "stress.yaml")
+    assert updates_per_rollout(overrides_of(grid, "on_policy", "grpo")) == 1
+    assert updates_per_rollout(overrides_of(grid, "many_updates", "grpo")) >= 8
+    stale = overrides_of(grid, "stale_async", "grpo")
+    assert stale["trainer.v1.trainer_mode"] == "sorl_colocate_async"
+    assert int(stale["trainer.v1.colocate_async.num_warmup_batches"]) >= 2
+    sep = overrides_of(grid, "stale_async_separate", "grpo")
+    assert sep["trainer.v1.trainer_mode"] == "sorl_separate_async"
+    # verl's separate-async trainer asserts train_batch_size == parameter_sync_step x ppo_mini_batch_size
+    sync = int(sep["trainer.v1.separate_async.parameter_sync_step"])
+    assert sync >= 2 and cpu_default("data.train_batch_size") == sync * int(sep[f"{ACTOR}.ppo_mini_batch_size"])
+    mismatch = overrides_of(grid, "mismatch", "grpo")
+    assert mismatch["actor_rollout_ref.rollout.dtype"] == "bfloat16"
+    assert cpu_default(f"{ACTOR}.fsdp_config.mixed_precision.param_dtype") == "fp32"
+
+
+def test_algorithm_overrides_and_seed():
+    grid = load_grid(STUDY / "stress.yaml")
+    o = overrides_of(grid, "many_updates", "gspo")
+    assert (o[f"{LOSS}.loss_mode"], o[f"{ACTOR}.clip_ratio_low"], o[f"{ACTOR}.clip_ratio_high"]) == (
+        "gspo",
+        "0.0003",
+        "0.0004",
+    )
+    assert o[f"{ACTOR}.loss_agg_mode"] == "seq-mean-token-mean"
+    rc = overrides_of(grid, "mismatch", "grpo_rc")
+    assert rc["algorithm.rollout_correction.rollout_is"] == "sequence"
+    tau = overrides_of(grid, "many_updates", "so_grpo_rel_tau0.25")
+    assert (tau[f"{LOSS}.clip_norm_reference"], tau[f"{LOSS}.clip_norm_tau"]) == ("relative", "0.25")
+    for c in grid.cells:
+        assert all(c.overrides[k] == str(c.seed) for k in grid.seed_keys)
+        assert c.overrides["trainer.total_training_steps"] == "20"
+    lowlr = next(c for c in grid.cells if c.algorithm == "grpo_lowlr")
+    assert lowlr.unfilled == (f"{ACTOR}.optim.lr",) and lowlr.overrides[f"{ACTOR}.optim.lr"] == PLACEHOLDER
+
+
+def test_smoke_grid_is_one_short_cell():
+    grid = load_grid(STUDY / "smoke.yaml")
+    assert [c.key for c in grid.cells] == ["many_updates/so_grpo/seed1"]
+    assert (grid.steps, grid.test_freq, grid.val_max_samples) == (2, 2, 16)
+
+
+def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
+    (tmp_path / "config").mkdir(exist_ok=True)
+    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
+    (tmp_path / "study").mkdir(exist_ok=True)
+    path = tmp_path / "study" / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+BASE = """\
+    name: t
+    steps: 4
+    seed_keys: [data.seed]
+    common: {trainer.save_freq: -1}
+    regimes:
+      hot: {overrides: {actor_rollout_ref.actor.optim.lr: 1.0e-3, trainer.save_freq: 2}}
+    algorithms:
+      a: {overrides: {x.y: 1, actor_rollout_ref.actor.optim.lr: 2.0e-3}, per_regime: {hot: {x.y: 3}}}
+      b: {overrides: {x.y: 2, data.seed: 99}}
+    cells:
+      - {regimes: [hot], algorithms: [a, b], seeds: [7]}
+      - {regimes: hot, algorithms: [a], seeds: [7, 8]}
+"""
+
+
+def test_merge_order_and_dedup(tmp_path):
+    grid = load_grid(write(tmp_path, BASE))
+    assert [c.key for c in grid.cells] == ["hot/a/seed7", "hot/b/seed7", "hot/a/seed8"]
+    a7, b7 = grid.cells[0].overrides, grid.cells[1].overrides
+    assert a7["actor_rollout_ref.actor.optim.lr"] == "0.002"  # algorithm over regime
+    assert a7["x.y"] == "3"  # per_regime over algorithm
+    assert a7["trainer.save_freq"] == "2"  # regime over common
+    assert b7["data.seed"] == "7"  # the seed over everything
+    assert a7["trainer.test_freq"] == "4"  # test_freq defaults to steps
+    assert list(a7)[:4] == [
+        "trainer.total_training_steps",
+        "trainer.test_freq",
+        "data.val_max_samples",
+        "data.val_batch_size",
+    ]
+
+
+def test_include_library_merged_key_by_key(tmp_path):
+    write(
+        tmp_path,
+        """\
+        seed_keys: [data.seed]
+        algorithms:
+          a: {description: lib, overrides: {x.y: 1, x.z: 1}}
+        regimes:
+          r: {overrides: {q: 1}}
+        """,
+        name="lib.yaml",
+    )
+    grid = load_grid(
+        write(
+            tmp_path,
+            """\
+            include: lib.yaml
+            steps: 2
+            algorithms:
+              a: {overrides: {x.z: 2}}
+              s: {overrides: {k: 0}, sweep: {key: x.t, label: t, values: [0.5, 1, 2.0e-2]}}
+            cells: [{regimes: [r], algorithms: [a, s], seeds: [0]}]
+            """,
+        )
+    )
+    assert grid.name == "g" and grid.algorithms["a"].description == "lib"
+    assert dict(grid.algorithms["a"].overrides) == {"x.y": 1, "x.z": 2}
+    assert [c.algorithm for c in grid.cells] == ["a", "s_t0.5", "s_t1", "s_t0.02"]
+    assert grid.cells[3].overrides["x.t"] == "0.02"
+
+
+@pytest.mark.parametrize(
+    ("edit", "line", "words"),
+    [
+        (("steps: 4", "stepz: 4"), 2, "unknown key"),
+        (("algorithms: [a, b]", "algorithms: [a, c]"), 11, "unknown algorithm 'c'"),
+        (("seeds: [7, 8]", "seeds: [7, x]"), 12, "integers >= 0"),
+        (("x.y: 2,", "x y: 2,"), 9, "not a hydra override key"),
+        (("hot: {x.y: 3}", "cold: {x.y: 3}"), 8, "unknown regime 'cold'"),
+        (("steps: 4", "steps: 0"), 2, "integer >= 1"),
+        (("x.y: 1,", "x.y: {p: 1},"), 8, "a mapping is not an override value"),
+        (
+            ("  - {regimes: [hot], algorithms: [a, b], seeds: [7]}\n", "  - {regimes: [hot], algorithms: [a, b]}\n"),
+            11,
+            "needs 'seeds'",
+        ),
+    ],
+)
+def test_bad_grid_names_file_and_line(tmp_path, edit, line, words):
+    text = textwrap.dedent(BASE).replace(*edit)
+    assert text != textwrap.dedent(BASE)
+    path = write(tmp_path, text)
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    path = write(tmp_path, "name: t\nsteps: [1,\n")
+    with pytest.raises(GridError, match=r"g\.yaml:\d+: not valid YAML"):
+        load_grid(path)
+    with pytest.raises(GridError, match="grid file not found"):
+        load_grid(tmp_path / "nope.yaml")
+
+
+def test_matches_and_select(tmp_path):
+    assert matches("many_updates/so_grpo/seed1", "grpo")
+    assert not matches("many_updates/so_grpo/seed1", "many_updates/grpo/*")
+    assert matches("many_updates/grpo/seed1", "many_updates/grpo/*")
+    assert matches("mismatch/grpo_rc/seed2", "*/seed2")
+    grid = load_grid(write(tmp_path, BASE))
+    assert [c.key for c in grid.select(["b/", "*/seed8"])] == ["hot/b/seed7", "hot/a/seed8"]
+    assert len(grid.select(None)) == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (True, "true"),
+        (None, "null"),
+        (5.0e-4, "0.0005"),
+        (1e-5, "1e-05"),
+        (3, "3"),
+        ("bfloat16", "bfloat16"),
+        ([1, "a"], "[1,a]"),
+    ],
+)
+def test_format_value(value, text):
+    assert format_value(value) == text
