@@ -18,8 +18,9 @@ import json
 import multiprocessing
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,47 @@ def build_bm25(texts: Iterable[str], out_dir: Path, params: dict[str, Any], work
     return builder.num_docs
 
 
+class ScratchPool:
+    """At most ``size`` pairs of full-corpus scratch arrays, each lent to one query at a time.
+
+    A pair is ``(acc, stamp)``: float32 score accumulator (all zeros between queries) and int32
+    stamps for O(n) de-duplication, 8 bytes per passage together. Pairs are made on first
+    need and reused (last returned, first lent); a query that finds all ``size`` pairs in use
+    waits, so scratch memory is ``<= size * 8 * num_docs`` bytes whatever the concurrency.
+    """
+
+    def __init__(self, num_docs: int, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"scratch pool size must be >= 1, got {size}")
+        self.num_docs, self.size = num_docs, size
+        self.made = 0
+        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def lend(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self._cond:
+            while not self._free and self.made >= self.size:
+                self._cond.wait()
+            pair = self._free.pop() if self._free else None
+            if pair is None:
+                self.made += 1
+        if pair is None:
+            try:
+                pair = (np.zeros(self.num_docs, dtype=np.float32), np.zeros(self.num_docs, dtype=np.int32))
+            except BaseException:
+                with self._cond:
+                    self.made -= 1
+                    self._cond.notify()
+                raise
+        try:
+            yield pair
+        finally:
+            with self._cond:
+                self._free.append(pair)
+                self._cond.notify()
+
+
 class BM25Scorer:
     """Top-k BM25 over a saved index: ``topk_ids(queries, k) -> [[(doc_position, score), ...], ...]``.
 
@@ -204,6 +246,7 @@ class BM25Scorer:
         n_threads: int = 1,
         mmap: bool = False,
         strategy: str = "maxscore",
+        scratch_buffers: int | None = None,
     ) -> None:
         if strategy not in ("maxscore", "matmul"):
             raise ValueError(f"unknown BM25 strategy {strategy!r}; use 'maxscore' or 'matmul'")
@@ -234,7 +277,7 @@ class BM25Scorer:
         self.strategy = strategy
         self.n_threads = max(1, n_threads)
         self._pool = ThreadPoolExecutor(self.n_threads) if self.n_threads > 1 else None
-        self._local = threading.local()
+        self.scratch = ScratchPool(self.num_docs, scratch_buffers or self.n_threads)
 
     def query_matrix(self, queries: list[str]) -> sp.csr_matrix:
         """Sparse (queries x terms) matrix of query-term counts."""
@@ -275,38 +318,39 @@ class BM25Scorer:
             total[hit] += w * self.data[start + pos[hit]]
         return total
 
-    def _dedupe(self, docs: np.ndarray) -> np.ndarray:
-        """Distinct values of ``docs`` in O(n) with a per-thread stamp array (no sort)."""
-        stamp = getattr(self._local, "stamp", None)
-        if stamp is None:
-            stamp = self._local.stamp = np.zeros(self.num_docs, dtype=np.int64)
-        order = np.arange(len(docs))
+    @staticmethod
+    def _dedupe(docs: np.ndarray, stamp: np.ndarray) -> np.ndarray:
+        """Distinct values of ``docs`` in O(n) with a full-corpus stamp array (no sort)."""
+        order = np.arange(len(docs), dtype=np.int32)
         stamp[docs] = order  # for repeated documents the last write wins
         return docs[stamp[docs] == order]
 
-    def _accumulate_select(self, slices: list[tuple[int, int, float]], k: int) -> list[tuple[int, float]]:
+    def _accumulate_select(
+        self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray, stamp: np.ndarray
+    ) -> list[tuple[int, float]]:
         """Exhaustive top-k over every posting of the query terms (few postings: cheaper than pruning)."""
-        acc = self._scratch()
         touched = []
         try:
             for start, end, w in slices:
                 docs = self.indices[start:end]
                 touched.append(docs)
                 acc[docs] += w * self.data[start:end]
-            cand = self._dedupe(np.concatenate(touched))
+            cand = self._dedupe(np.concatenate(touched), stamp)
             scores = acc[cand]
         finally:
             for docs in touched:  # the scratch array must be all zeros for the next query
                 acc[docs] = 0.0
         return self._select(cand, scores, k)
 
-    def _scratch(self) -> np.ndarray:
-        acc = getattr(self._local, "acc", None)
-        if acc is None:
-            acc = self._local.acc = np.zeros(self.num_docs, dtype=np.float32)
-        return acc
-
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
+        if not term_ids:
+            return []
+        with self.scratch.lend() as (acc, stamp):
+            return self._topk_maxscore_scratch(term_ids, k, acc, stamp)
+
+    def _topk_maxscore_scratch(
+        self, term_ids: list[int], k: int, acc: np.ndarray, stamp: np.ndarray
+    ) -> list[tuple[int, float]]:
         if not term_ids:
             return []
         terms, counts = np.unique(np.asarray(term_ids, dtype=np.int64), return_counts=True)
@@ -321,7 +365,7 @@ class BM25Scorer:
             start, end, w = slices[0]
             return self._select(np.asarray(self.indices[start:end]), w * self.data[start:end], k)
         if sum(end - start for start, end, _ in slices) <= self.exhaustive_postings:
-            return self._accumulate_select(slices, k)
+            return self._accumulate_select(slices, k, acc, stamp)
         # theta: a lower bound on the k-th best score, from partial scores (each <= the full score) of
         # distinct real documents: a sample of the shortest list scored against the short lists,
         # and the k-th best single-term score of each short list.
@@ -340,7 +384,6 @@ class BM25Scorer:
         essential = [
             (int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non, len(terms)) if ends[i] > starts[i]
         ]
-        acc = self._scratch()
         touched = []
         try:
             for start, end, w in essential:
@@ -352,7 +395,7 @@ class BM25Scorer:
                 theta = max(theta, float(np.partition(acc[longest], len(longest) - k)[len(longest) - k]))
             floor = theta - non_bound - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
             kept = [docs[acc[docs] >= floor] for docs in touched]
-            cand = kept[0] if len(kept) == 1 else self._dedupe(np.concatenate(kept))
+            cand = kept[0] if len(kept) == 1 else self._dedupe(np.concatenate(kept), stamp)
             partial = acc[cand]
         finally:
             for docs in touched:  # the scratch array must be all zeros for the next query

@@ -1,8 +1,19 @@
-"""Dense retrieval: a sentence-transformers encoder from a local path + an exact faiss index.
+"""Dense retrieval: a sentence-transformers encoder from a local path + a faiss index.
 
 Passages are encoded as ``passage_prefix + contents`` and queries as ``query_prefix + query``
 (e5 convention: ``"passage: "`` / ``"query: "``), L2-normalized, and scored by inner product,
-i.e. cosine similarity, with ``faiss.IndexFlatIP`` (exact search, as Search-R1's e5 index).
+i.e. cosine similarity. ``index_type`` picks the faiss index:
+
+- ``flat`` (default): ``IndexFlatIP``, exact search, as Search-R1's e5 index; 4 * dim bytes
+  per passage in RAM (65 GB for wiki-18 with e5-base) and a full scan per query batch.
+- ``hnsw``: ``IndexHNSWFlat`` (``hnsw_m`` links per node, ``ef_search`` breadth); the flat
+  vectors plus the graph (~8 * hnsw_m bytes per passage), sub-linear CPU search, approximate.
+- ``ivfpq``: ``IVF{nlist},PQ{pq_m}x8``: ``pq_m`` bytes per passage (64 B -> 1.3 GB for
+  wiki-18), ``nprobe`` of the ``nlist`` inverted lists scanned per query, approximate. The
+  coarse quantizer and codebooks are trained on the first ``train_size`` passages.
+
+``faiss_gpu`` (serve time) moves a flat or IVF index onto every visible GPU (sharded), which
+needs a GPU build of faiss.
 Needs the ``dense`` extra: ``pip install "sorl-verl[dense]"``. No model is downloaded: ``model``
 must be a local directory (e.g. a download of ``intfloat/e5-base-v2``).
 
@@ -36,7 +47,16 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "device": None,
     "max_seq_length": None,
     "prebuilt_index": None,
+    "index_type": "flat",
+    "hnsw_m": 32,
+    "nlist": 4096,
+    "pq_m": None,  # None: the largest divisor of dim that is <= 64
+    "train_size": None,  # None: 64 * nlist passages
+    "nprobe": 32,
+    "ef_search": 128,
 }
+INDEX_TYPES = ("flat", "hnsw", "ivfpq")
+SERVE_OPTIONS = ("device", "model", "faiss_gpu", "nprobe", "ef_search")  # may differ from the build's values
 ENCODE_CHUNK = 4096  # passages per encode call while building (bounds memory)
 
 
@@ -51,7 +71,7 @@ def dense_params(**overrides: Any) -> dict[str, Any]:
     if not Path(params["model"]).is_dir():
         raise FileNotFoundError(
             f"dense model directory not found: {params['model']}; download it first, e.g. "
-            "`huggingface-cli download intfloat/e5-base-v2 --local-dir models/e5-base-v2`"
+            "`hf download intfloat/e5-base-v2 --local-dir models/e5-base-v2`"
         )
     params["model"] = str(Path(params["model"]).resolve())
     if params["prebuilt_index"]:
@@ -60,7 +80,29 @@ def dense_params(**overrides: Any) -> dict[str, Any]:
         params["prebuilt_index"] = str(Path(params["prebuilt_index"]).resolve())
     if int(params["batch_size"]) < 1:
         raise ValueError("batch_size must be >= 1")
+    if params["index_type"] not in INDEX_TYPES:
+        raise ValueError(f"unknown index_type {params['index_type']!r}; choose from {list(INDEX_TYPES)}")
+    positive = ("hnsw_m", "nlist", "pq_m", "train_size", "nprobe", "ef_search")
+    bad = [n for n in positive if params[n] is not None and int(params[n]) < 1]
+    if bad:
+        raise ValueError(f"dense parameters must be >= 1: {', '.join(f'{n}={params[n]}' for n in bad)}")
     return params
+
+
+def serve_params(built: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Build-time parameters with serve-time ``overrides`` (only :data:`SERVE_OPTIONS`) applied."""
+    unknown = set(overrides) - set(SERVE_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown serve-time dense option(s) {sorted(unknown)}; known: {list(SERVE_OPTIONS)}")
+    bad = [n for n in ("nprobe", "ef_search") if overrides.get(n) is not None and int(overrides[n]) < 1]
+    if bad:
+        raise ValueError(f"dense options must be >= 1: {', '.join(f'{n}={overrides[n]}' for n in bad)}")
+    return {**DEFAULT_PARAMS, **built, **{k: v for k, v in overrides.items() if v is not None}}
+
+
+def auto_pq_m(dim: int) -> int:
+    """Largest divisor of ``dim`` that is <= 64 (bytes per PQ code)."""
+    return max(m for m in range(1, min(dim, 64) + 1) if dim % m == 0)
 
 
 def load_encoder(params: dict[str, Any]) -> Any:
@@ -118,14 +160,94 @@ def build_dense(texts: Iterable[str], out_dir: Path, params: dict[str, Any], sho
             )
         faiss_path = params["prebuilt_index"]
     else:
-        index = faiss.IndexFlatIP(dim)
-        for chunk in _chunks(texts, ENCODE_CHUNK):
-            index.add(encode(model, chunk, params["passage_prefix"], int(params["batch_size"])))
+        batches = (
+            encode(model, c, params["passage_prefix"], int(params["batch_size"])) for c in _chunks(texts, ENCODE_CHUNK)
+        )
+        index = build_faiss_index(batches, dim, params)
         faiss.write_index(index, str(out_dir / FAISS_FILE))
         faiss_path = FAISS_FILE
     meta = {"dim": dim, "num_docs": int(index.ntotal), "faiss_path": faiss_path, "metric": "inner_product"}
+    meta["index_type"] = params["index_type"] if not params["prebuilt_index"] else type(index).__name__
+    if params["index_type"] == "ivfpq" and not params["prebuilt_index"]:
+        ivf = faiss.extract_index_ivf(index)
+        meta.update(nlist=int(ivf.nlist), pq_m=int(faiss.downcast_index(ivf).pq.M))
     (out_dir / DENSE_META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return int(index.ntotal)
+
+
+def build_faiss_index(batches: Iterable[np.ndarray], dim: int, params: dict[str, Any]) -> Any:
+    """A faiss inner-product index of ``params["index_type"]`` holding the embedding ``batches`` in order."""
+    import faiss
+
+    kind = params["index_type"]
+    if kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, int(params["hnsw_m"]), faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = max(40, 2 * int(params["hnsw_m"]))
+    else:
+        return _build_ivfpq(iter(batches), dim, params)
+    for emb in batches:
+        index.add(emb)
+    return index
+
+
+def _build_ivfpq(batches: Iterator[np.ndarray], dim: int, params: dict[str, Any]) -> Any:
+    import faiss
+
+    nlist = int(params["nlist"])
+    pq_m = int(params["pq_m"] or auto_pq_m(dim))
+    if dim % pq_m:
+        raise ValueError(f"pq_m={pq_m} must divide the embedding dimension {dim}")
+    train_size = int(params["train_size"] or 64 * nlist)
+    head, n_head = [], 0
+    for emb in batches:  # the first train_size passages train the quantizers
+        head.append(emb)
+        n_head += len(emb)
+        if n_head >= train_size:
+            break
+    train = np.concatenate(head) if head else np.zeros((0, dim), np.float32)
+    nlist = max(1, min(nlist, len(train) // 39))  # faiss k-means wants >= 39 points per list
+    index = faiss.index_factory(dim, f"IVF{nlist},PQ{pq_m}x8", faiss.METRIC_INNER_PRODUCT)
+    if len(train) == 0:
+        raise ValueError("ivfpq needs at least one passage to train on")
+    index.train(train[:train_size])
+    index.add(train)
+    del train, head
+    for emb in batches:
+        index.add(emb)
+    return index
+
+
+def _set_search_params(index: Any, params: dict[str, Any]) -> None:
+    import faiss
+
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        ivf = None
+    if ivf is not None:
+        ivf.nprobe = int(params["nprobe"])
+    hnsw = getattr(faiss.downcast_index(index), "hnsw", None)
+    if hnsw is not None:
+        hnsw.efSearch = int(params["ef_search"])
+
+
+def to_gpus(index: Any) -> Any:
+    """``index`` sharded over every visible GPU; a clear error without GPU faiss or a GPU."""
+    import faiss
+
+    gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+    if not hasattr(faiss, "StandardGpuResources") or gpus < 1:
+        raise RuntimeError(
+            f"--faiss-gpu needs a GPU build of faiss and a visible GPU; this faiss {faiss.__version__} sees {gpus} "
+            "GPU(s) (install faiss-gpu, e.g. `conda install -c pytorch faiss-gpu`, or drop --faiss-gpu)"
+        )
+    if getattr(faiss.downcast_index(index), "hnsw", None) is not None:
+        raise ValueError("faiss has no GPU HNSW index; serve an hnsw index without --faiss-gpu, or build flat/ivfpq")
+    options = faiss.GpuMultipleClonerOptions()
+    options.shard = True
+    return faiss.index_cpu_to_all_gpus(index, options)
 
 
 class DenseScorer:
@@ -146,6 +268,9 @@ class DenseScorer:
                 "(load_searcher(..., model=DIR), server: --model DIR)"
             )
         self.index = faiss.read_index(str(faiss_path))
+        _set_search_params(self.index, params)
+        if params.get("faiss_gpu"):
+            self.index = to_gpus(self.index)
         self.num_docs = int(self.index.ntotal)
         self.model = load_encoder(params)
         dim = embedding_dim(self.model)
@@ -154,11 +279,13 @@ class DenseScorer:
                 f"{index_dir}: index has dimension {self.index.d}, model {params['model']} gives {dim}"
             )
         self._lock = threading.Lock()  # one encode at a time: the model already uses every core
+        self.calls = 0  # encoder forwards + index searches made (one per call)
 
     def topk_ids(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
         if k <= 0 or not queries:
             return [[] for _ in queries]
         with self._lock:
+            self.calls += 1
             q = encode(self.model, queries, self.params["query_prefix"], int(self.params["batch_size"]))
             scores, ids = self.index.search(q, k)
         return [

@@ -8,6 +8,7 @@ Searchers are thread-safe: the server calls them from a thread pool.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,22 +59,42 @@ class IndexSearcher:
         return out
 
 
+def default_workers() -> int:
+    """Cores this process may run on (the default number of search threads)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def load_searcher(
-    index_dir: str | Path, *, n_threads: int = 1, mmap: bool = False, **dense_overrides: Any
+    index_dir: str | Path,
+    *,
+    n_threads: int = 1,
+    mmap: bool = False,
+    scratch_buffers: int | None = None,
+    **dense_overrides: Any,
 ) -> IndexSearcher:
     """Searcher over ``index_dir`` after validating its manifest.
 
     ``n_threads``: BM25 splits a large batch over this many threads. ``mmap``: memory-map the
-    BM25 postings instead of reading them into RAM. ``dense_overrides`` (e.g. ``device="cuda"``,
-    ``model="/new/path"``) replace dense parameters recorded at build time.
+    BM25 postings instead of reading them into RAM. ``scratch_buffers``: BM25 full-corpus
+    scratch arrays (8 bytes per passage each), i.e. queries scored at the same time (default
+    ``max(n_threads, cores)``). ``dense_overrides`` (e.g. ``device="cuda"``, ``model="/new/path"``,
+    ``faiss_gpu=True``, ``nprobe=64``) replace dense parameters recorded at build time.
     """
     manifest = read_manifest(index_dir)
     if manifest["method"] == "bm25":
         from .bm25 import BM25Scorer
 
-        scorer: _Scorer = BM25Scorer(index_dir, manifest["params"], n_threads=n_threads, mmap=mmap)
+        if dense_overrides:
+            raise ValueError(f"{index_dir} is a BM25 index; dense options {sorted(dense_overrides)} do not apply")
+        buffers = scratch_buffers or max(n_threads, default_workers())
+        scorer: _Scorer = BM25Scorer(
+            index_dir, manifest["params"], n_threads=n_threads, mmap=mmap, scratch_buffers=buffers
+        )
     else:
-        from .dense import DenseScorer
+        from .dense import DenseScorer, serve_params
 
-        scorer = DenseScorer(index_dir, {**manifest["params"], **dense_overrides})
+        scorer = DenseScorer(index_dir, serve_params(manifest["params"], dense_overrides))
     return IndexSearcher(index_dir, manifest, scorer)
