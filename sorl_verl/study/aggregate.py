@@ -56,36 +56,49 @@ def update_scales(trace: Trace) -> list[float]:
     return [1.0 / z for _, z in trace.series("actor/sorl/norm_factor") if z > 0]
 
 
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every NaN/inf float replaced by None (stability.json is strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
 def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
-    """One run of stability.json from its ``cell.json`` and its metrics."""
+    """One run of stability.json from its ``cell.json`` and its metrics (NaN/inf as null)."""
     verdict = judge(trace.val_scores, trace.first_nonfinite(), cell.get("exit_code"), trace.last_step)
     vals = trace.val_scores
     finite = [s for _, s in vals if math.isfinite(s)]
     scales = update_scales(trace)
-    return {
-        "algorithm": cell["algorithm"],
-        "regime": cell["regime"],
-        "seed": cell["seed"],
-        "status": cell.get("status"),
-        "collapsed": verdict.collapsed,
-        "judged": verdict.judged,
-        "reason": verdict.reason,
-        "onset_step": verdict.onset_step,
-        "initial_val_score": vals[0][1] if vals else None,
-        "final_val_score": vals[-1][1] if vals else None,
-        "peak_val_score": max(finite) if finite else None,
-        "val_scores": [[s, v] for s, v in vals],
-        "final_val_by_source": trace.validations[-1][1] if trace.validations else {},
-        "steps": trace.last_step,
-        "steps_planned": cell.get("steps"),
-        "wall_s": cell.get("wall_s"),
-        "exit_code": cell.get("exit_code"),
-        "lr": _float_or_none(cell.get("overrides", {}).get(LR_KEY)),
-        "mean_norm_factor": _mean(v for _, v in trace.series("actor/sorl/norm_factor")),
-        "mean_update_scale": _mean(scales),
-        "max_turn_clipfrac": _max(v for _, v in trace.series("actor/sorl/turn_clipfrac")),
-        "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
-    }
+    return finite_or_none(
+        {
+            "algorithm": cell["algorithm"],
+            "regime": cell["regime"],
+            "seed": cell["seed"],
+            "status": cell.get("status"),
+            "collapsed": verdict.collapsed,
+            "judged": verdict.judged,
+            "reason": verdict.reason,
+            "onset_step": verdict.onset_step,
+            "initial_val_score": vals[0][1] if vals else None,
+            "final_val_score": vals[-1][1] if vals else None,
+            "peak_val_score": max(finite) if finite else None,
+            "val_scores": [[s, v] for s, v in vals],
+            "final_val_by_source": trace.validations[-1][1] if trace.validations else {},
+            "steps": trace.last_step,
+            "steps_planned": cell.get("steps"),
+            "wall_s": cell.get("wall_s"),
+            "exit_code": cell.get("exit_code"),
+            "lr": _float_or_none(cell.get("overrides", {}).get(LR_KEY)),
+            "mean_norm_factor": _mean(v for _, v in trace.series("actor/sorl/norm_factor")),
+            "mean_update_scale": _mean(scales),
+            "max_turn_clipfrac": _max(v for _, v in trace.series("actor/sorl/turn_clipfrac")),
+            "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
+        }
+    )
 
 
 def cell_dirs(out: Path) -> list[Path]:

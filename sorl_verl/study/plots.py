@@ -73,36 +73,54 @@ def plot_regime(
     if not panels:
         return None
     colors = colors or algorithm_colors(list(by_alg))
+    from matplotlib.ticker import MaxNLocator
+
     ncols = 3
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows + 0.9), squeeze=False)
+    legend_rows = math.ceil(len(by_alg) / 5)
+    header_in = 0.45 + 0.22 * legend_rows
+    height_in = header_in + 3.0 * nrows
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, height_in), squeeze=False)
     for ax, (name, key, log_y) in zip(axes.flat, panels, strict=False):
+        positive = True
         for algorithm in sorted(by_alg):
             traces = by_alg[algorithm]
             steps, mean, lo, hi = band([_points(t, key) for t in traces])
             if not steps:
                 continue
+            positive = positive and min(lo) > 0
             c = colors[algorithm]
-            marker = "o" if key is None else None
+            marker = "o" if key is None or len(steps) == 1 else None
             ax.plot(steps, mean, color=c, marker=marker, ms=3, lw=1.4, label=f"{algorithm} (n={len(traces)})")
             if len(traces) > 1:
                 ax.fill_between(steps, lo, hi, color=c, alpha=0.15, lw=0)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        if log_y:
-            ax.set_yscale("symlog", linthresh=1e-3)
+        if log_y and positive:
+            ax.set_yscale("log")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    labels_seen: dict[str, Any] = {}
     for ax in axes.flat:
-        h, lab = ax.get_legend_handles_labels()
-        if len(lab) > len(labels):
-            handles, labels = h, lab
-    fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8, frameon=False)
-    fig.suptitle(title or f"regime: {regime}  (line: mean over seeds, band: min-max)", fontsize=10, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / (3.4 * nrows + 0.9) - 0.02))
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            labels_seen.setdefault(lab, h)
+    top = 1 - header_in / height_in
+    fig.suptitle(
+        title or f"regime: {regime}  (line: mean over seeds, band: min-max)", fontsize=10, y=1 - 0.12 / height_in
+    )
+    fig.legend(
+        list(labels_seen.values()),
+        list(labels_seen),
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1 - 0.38 / height_in),
+        ncol=min(5, len(labels_seen)),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

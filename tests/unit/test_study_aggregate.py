@@ -1,0 +1,227 @@
+"""Aggregation of a study (sorl_verl/study/aggregate.py, plots.py, cli aggregate/status) on synthetic runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sorl_verl.study import cli
+from sorl_verl.study.aggregate import collect, lr_match, markdown_table, stability, write_stability
+from sorl_verl.study.collapse import CRITERION
+from sorl_verl.study.runner import write_record
+
+LR = "actor_rollout_ref.actor.optim.lr"
+
+
+def val(step: int, score: float) -> dict:
+    return {"step": step, "data": {"val-core/s1/reward/mean@1": score, "val-core/s2/reward/mean@1": score / 2}}
+
+
+def train(step: int, reward: float, z: float | None = None, **extra: float) -> dict:
+    data = {"training/global_step": step, "critic/score/mean": reward, "actor/grad_norm": 0.5, "actor/ppo_kl": 0.01}
+    if z is not None:
+        data |= {"actor/sorl/norm_factor": z, "actor/sorl/turn_clipfrac": 0.1 * z}
+    return {"step": step, "data": data | extra}
+
+
+def make_cell(out: Path, regime: str, algorithm: str, seed: int, records: list[dict], **rec) -> Path:
+    d = out / regime / algorithm / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    base = {
+        "key": f"{regime}/{algorithm}/seed{seed}",
+        "regime": regime,
+        "algorithm": algorithm,
+        "seed": seed,
+        "steps": 4,
+        "status": "done",
+        "exit_code": 0,
+        "wall_s": 100.0 + seed,
+        "overrides": {LR: "0.0005"},
+    }
+    write_record(d, base | rec)
+    return d
+
+
+def scores(*vs: float) -> list[dict]:
+    """Validations at 0, 2, 4 with these mean-over-sources scores (s1 = 4/3 v, s2 = 2/3 v)."""
+    return [val(2 * i, v * 4 / 3) for i, v in enumerate(vs)]
+
+
+@pytest.fixture
+def study(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    # grpo: seed 1 collapses (0.6 -> 0.1), seed 2 learns
+    make_cell(out, "hot", "grpo", 1, scores(0.6, 0.3, 0.1) + [train(s, 0.5) for s in range(1, 5)])
+    make_cell(out, "hot", "grpo", 2, scores(0.6, 0.6, 0.7) + [train(s, 0.5) for s in range(1, 5)])
+    # so_grpo: Z = 2 at every step -> update scale 1/2; both stable
+    for seed in (1, 2):
+        make_cell(out, "hot", "so_grpo", seed, scores(0.6, 0.6, 0.5) + [train(s, 0.5, z=2.0) for s in range(1, 5)])
+    # failed before step 1: not judged; running: not collected
+    make_cell(out, "hot", "gspo", 1, scores(0.6), status="failed", exit_code=1, wall_s=30.0)
+    make_cell(out, "hot", "cispo", 1, [], status="running")
+    return out
+
+
+def test_stability_json_records(study, tmp_path):
+    found = collect(study)
+    assert sorted(r["key"] for r, _ in found) == [
+        "hot/grpo/seed1",
+        "hot/grpo/seed2",
+        "hot/gspo/seed1",
+        "hot/so_grpo/seed1",
+        "hot/so_grpo/seed2",
+    ]
+    data = stability(found, "t", "python -m sorl_verl.study --grid g.yaml", pending=["hot/cispo/seed1"])
+    assert data["criterion"] == CRITERION and data["not_run"] == ["hot/cispo/seed1"]
+    runs = {(r["algorithm"], r["seed"]): r for r in data["runs"]}
+    g1 = runs[("grpo", 1)]
+    assert (g1["collapsed"], g1["judged"], g1["onset_step"], g1["steps"], g1["wall_s"]) == (True, True, 4, 4, 101.0)
+    assert g1["final_val_score"] == pytest.approx(0.1) and g1["peak_val_score"] == pytest.approx(0.6)
+    assert g1["initial_val_score"] == pytest.approx(0.6)
+    assert g1["final_val_by_source"] == {"s1": pytest.approx(0.4 / 3), "s2": pytest.approx(0.2 / 3)}
+    assert runs[("grpo", 2)]["collapsed"] is False
+    so = runs[("so_grpo", 1)]
+    assert (so["mean_norm_factor"], so["mean_update_scale"], so["max_turn_clipfrac"]) == (2.0, 0.5, 0.2)
+    assert so["lr"] == 0.0005
+    gspo = runs[("gspo", 1)]
+    assert (gspo["judged"], gspo["collapsed"], gspo["status"]) == (False, False, "failed")
+    # lr for grpo_lowlr: 5e-4 x mean(1/Z) = 2.5e-4
+    assert data["lr_match"] == {
+        "hot": {"reference": "so_grpo", "runs": 2, "lr": 0.0005, "mean_update_scale": 0.5, "matched_lr": 0.00025}
+    }
+    path = write_stability(data, tmp_path / "res" / "stability.json")
+    assert json.loads(path.read_text()) == data
+
+
+def test_markdown_table(study):
+    data = stability(collect(study), "t", "cmd")
+    table = markdown_table(data["runs"])
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in table.splitlines()[2:]}
+    assert "| 1/2 | 0.400 ± 0.424 | 0.650 ± 0.071 | 102 | 0 |" in rows[("hot", "grpo")]
+    assert "| 0/2 | 0.500 ± 0.000 | 0.600 ± 0.000 | 102 | 0 |" in rows[("hot", "so_grpo")]
+    assert "| 0/0 | - | - | 30 | 1 |" in rows[("hot", "gspo")]
+
+
+def test_update_scale_logged_wins_over_one_over_z():
+    runs = [
+        {"algorithm": "so_grpo", "regime": "r", "lr": 1e-3, "mean_update_scale": 0.8},
+        {"algorithm": "so_grpo", "regime": "r", "lr": 1e-3, "mean_update_scale": 0.4},
+        {"algorithm": "grpo", "regime": "r", "lr": 1e-3, "mean_update_scale": None},
+    ]
+    assert lr_match(runs)["r"]["matched_lr"] == pytest.approx(6e-4)
+
+
+def grid_file(tmp_path: Path) -> Path:
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
+    (tmp_path / "study").mkdir()
+    path = tmp_path / "study" / "g.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            name: g
+            steps: 4
+            test_freq: 2
+            seed_keys: [data.seed]
+            regimes: {hot: {}}
+            algorithms: {grpo: {}, so_grpo: {}, gspo: {}, cispo: {}, ppo: {}}
+            cells: [{regimes: [hot], algorithms: [grpo, so_grpo, gspo, cispo, ppo], seeds: [1, 2]}]
+            """
+        )
+    )
+    return path
+
+
+def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, capsys):
+    res = tmp_path / "results"
+    grid = grid_file(tmp_path)
+    assert cli.main(["aggregate", "--grid", str(grid), "--out", str(study), "--results", str(res)]) == 0
+    printed = capsys.readouterr().out
+    assert "lr for grpo_lowlr in hot: 0.00025" in printed
+    data = json.loads((res / "stability.json").read_text())
+    assert len(data["runs"]) == 5
+    assert sorted(data["not_run"]) == [
+        "hot/cispo/seed1",
+        "hot/cispo/seed2",
+        "hot/gspo/seed2",
+        "hot/ppo/seed1",
+        "hot/ppo/seed2",
+    ]
+    assert (res / "stability_table.md").read_text() in printed
+    png = res / "stability_hot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    # --only restricts the runs
+    assert (
+        cli.main(
+            [
+                "aggregate",
+                "--grid",
+                str(grid),
+                "--out",
+                str(study),
+                "--results",
+                str(res),
+                "--only",
+                "so_grpo",
+                "--no-plots",
+                "--name",
+                "x",
+            ]
+        )
+        == 0
+    )
+    assert {r["algorithm"] for r in json.loads((res / "x.json").read_text())["runs"]} == {"so_grpo"}
+
+
+def test_cli_aggregate_with_nothing_finished(tmp_path, capsys):
+    grid = grid_file(tmp_path)
+    assert (
+        cli.main(["aggregate", "--grid", str(grid), "--out", str(tmp_path / "empty"), "--results", str(tmp_path / "r")])
+        == 1
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_status(study, tmp_path, capsys):
+    grid = grid_file(tmp_path)
+    assert cli.main(["status", "--grid", str(grid), "--out", str(study), "--json"]) == 0
+    rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["cells"]}
+    states = {k: r["state"] for k, r in rows.items()}
+    assert states == {
+        "hot/grpo/seed1": "done",
+        "hot/grpo/seed2": "done",
+        "hot/so_grpo/seed1": "done",
+        "hot/so_grpo/seed2": "done",
+        "hot/gspo/seed1": "failed",
+        "hot/gspo/seed2": "pending",
+        "hot/cispo/seed1": "interrupted",  # 'running' but no study process holds the directory
+        "hot/cispo/seed2": "pending",
+        "hot/ppo/seed1": "pending",
+        "hot/ppo/seed2": "pending",
+    }
+    assert rows["hot/grpo/seed1"]["final_val_score"] == pytest.approx(0.1) and rows["hot/grpo/seed1"]["steps"] == 4
+    assert cli.main(["status", "--grid", str(grid), "--out", str(study)]) == 0
+    text = capsys.readouterr().out
+    assert "done 4, failed 1, interrupted 1, pending 4 of 10" in text
+
+
+def test_cli_bad_grid_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [\n")
+    assert cli.main(["status", "--grid", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert cli.main(["--grid", str(grid_file(tmp_path)), "--out", str(tmp_path / "o"), "--only", "nomatch"]) == 2
+
+
+def test_nan_never_reaches_the_json(tmp_path):
+    out = tmp_path / "out"
+    make_cell(out, "hot", "grpo", 1, scores(0.6, 0.5) + [train(1, math.nan, **{"actor/pg_loss": math.nan})])
+    data = stability(collect(out), "t", "cmd")
+    run = data["runs"][0]
+    assert run["collapsed"] and "actor/pg_loss" in run["reason"]
+    write_stability(data, tmp_path / "s.json")  # allow_nan=False: would raise on a NaN
