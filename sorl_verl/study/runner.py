@@ -44,7 +44,7 @@ RECORD = "cell.json"
 METRICS = "metrics.jsonl"
 LOG = "train.log"
 #: what a restarted cell removes from its directory
-RUN_OUTPUTS = (METRICS, LOG, "checkpoints")
+RUN_OUTPUTS = (METRICS, LOG, "checkpoints", "outputs")
 LOG_TAIL_LINES = 30
 
 
@@ -262,8 +262,14 @@ def run_cell(
     exit_code: int | None = None
     reason = ""
     with open(directory / LOG, "wb") as log:
+        # cwd: hydra's outputs/<date>/<time> and anything else main_ppo writes stay in the run directory
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_add}, start_new_session=True
+            cmd,
+            cwd=directory,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env_add},
+            start_new_session=True,
         )
         record["pid"] = proc.pid
         write_record(directory, record)

@@ -1,0 +1,126 @@
+"""The study runner's bookkeeping (sorl_verl/study/runner.py) around real ``main_ppo`` processes.
+
+Cells that must not run (done, failed, unfilled) are skipped without starting anything. A cell
+found ``running`` (cut off) restarts from scratch; a real main_ppo that fails at start-up (an
+invalid SORL knob, rejected before Ray starts) is recorded as failed with its exit code and log
+tail, and the grid goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sorl_verl.study.grid import load_grid
+from sorl_verl.study.runner import (
+    Inputs,
+    StudyBusy,
+    cell_command,
+    cell_dir,
+    read_record,
+    run_grid,
+    study_lock,
+    write_record,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+STUDY = REPO / "recipe" / "sorl" / "study"
+#: main_ppo fails on these before reading any data file, so the inputs can be placeholders
+NO_INPUTS = Inputs(
+    train=Path("/nonexistent/train.parquet"),
+    val=Path("/nonexistent/val.parquet"),
+    model=Path("/nonexistent/model"),
+    retrieval_url="http://127.0.0.1:9/retrieve",
+)
+
+
+def grid_file(tmp_path: Path) -> Path:
+    """A grid in the study folder's place (config_dir ../config = the repository's)."""
+    path = tmp_path / "g.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            name: t
+            include: {STUDY / "presets.yaml"}
+            config_dir: {REPO / "recipe" / "sorl" / "config"}
+            steps: 2
+            algorithms:
+              bad_tau: {{overrides: {{actor_rollout_ref.actor.policy_loss.clip_norm_tau: 0}}}}
+            cells:
+              - {{regimes: [on_policy], algorithms: [bad_tau, so_grpo, grpo, grpo_lowlr], seeds: [1]}}
+            """
+        )
+    )
+    return path
+
+
+def test_skips_without_starting_anything(tmp_path):
+    grid = load_grid(grid_file(tmp_path))
+    out = tmp_path / "out"
+    cells = {c.algorithm: c for c in grid.cells}
+    write_record(cell_dir(out, cells["so_grpo"]), {"status": "done", "wall_s": 1.0})
+    write_record(cell_dir(out, cells["grpo"]), {"status": "failed", "reason": "x", "wall_s": 1.0})
+    log = io.StringIO()
+    counts = run_grid(grid, out, [cells[a] for a in ("so_grpo", "grpo", "grpo_lowlr")], lock=None, log=log)
+    assert counts == {"done": 1, "failed": 1, "unfilled": 1, "ran": 0}
+    text = log.getvalue()
+    assert "[study 1/3 on_policy/so_grpo/seed1] done, skipped" in text
+    assert "--retry-failed" in text and "actor_rollout_ref.actor.optim.lr still '???'" in text
+    assert not (out / "on_policy" / "grpo_lowlr").exists()
+
+
+def test_cell_command_is_the_demo_command(tmp_path):
+    grid = load_grid(grid_file(tmp_path))
+    cell = next(c for c in grid.cells if c.algorithm == "so_grpo")
+    cmd = cell_command(grid, cell, NO_INPUTS, tmp_path / "cell")
+    assert cmd[1:9] == [
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        str(REPO / "recipe" / "sorl" / "config"),
+        "--config-name",
+        "sorl_trainer",
+        "+task=search_qa",
+        "+platform=cpu",
+    ]
+    assert "sorl.agent.retrieval_url=http://127.0.0.1:9/retrieve" in cmd
+    assert "algorithm.adv_estimator=so_grpo" in cmd and "data.seed=1" in cmd
+    assert len({a.split("=", 1)[0] for a in cmd[9:]}) == len(cmd[9:])  # each key once
+
+
+def test_study_lock_is_exclusive(tmp_path):
+    with study_lock(tmp_path), pytest.raises(StudyBusy, match="another study process"), study_lock(tmp_path):
+        pass
+
+
+@pytest.mark.slow
+def test_interrupted_cell_restarts_and_a_failure_is_recorded(tmp_path):
+    grid = load_grid(grid_file(tmp_path))
+    out = tmp_path / "out"
+    cells = {c.algorithm: c for c in grid.cells}
+    bad = cell_dir(out, cells["bad_tau"])
+    write_record(bad, {"status": "running", "pid": 1})
+    (bad / "metrics.jsonl").write_text('{"step": 1, "data": {"training/global_step": 1}}\n')
+    write_record(cell_dir(out, cells["so_grpo"]), {"status": "done", "wall_s": 1.0})
+    log = io.StringIO()
+    counts = run_grid(grid, out, [cells["bad_tau"], cells["so_grpo"]], lock=None, log=log, inputs=NO_INPUTS)
+    assert counts == {"done": 1, "failed": 1, "unfilled": 0, "ran": 1}
+    rec = read_record(bad)
+    assert rec["status"] == "failed" and rec["exit_code"] == 1 and rec["steps_done"] == 0
+    assert any("clip_norm_tau=0 is invalid" in line for line in rec["log_tail"])
+    assert rec["command"][2] == "verl.trainer.main_ppo" and "clip_norm_tau=0" in rec["command_line"]
+    assert rec["command_line"].startswith("VERL_PLATFORM=cpu ")
+    assert rec["env"]["VERL_FILE_LOGGER_PATH"] == str(bad / "metrics.jsonl")
+    assert not (bad / "metrics.jsonl").exists()  # the cut-off run's metrics were removed
+    assert rec["wall_s"] > 0 and rec["finished"] >= rec["started"]
+    text = log.getvalue()
+    assert "was interrupted: restarting from scratch" in text
+    assert (
+        "[study 1/2 on_policy/bad_tau/seed1] FAILED" in text
+        and "[study 2/2 on_policy/so_grpo/seed1] done, skipped" in text
+    )
+    assert json.loads((bad / "cell.json").read_text()) == rec
