@@ -1,4 +1,4 @@
-"""scripts/eval.py: EM/F1 per data source from (a) HF generation with the search loop against the
+"""``sorl-verl eval`` (sorl_verl/tools/eval.py; scripts/eval.py is a wrapper): EM/F1 per data source from (a) HF generation with the search loop against the
 project's live retrieval server, (b) a generations file, (c) a verl validation metrics file.
 
 The model is a tiny Llama whose weights make greedy decoding follow a fixed token chain
@@ -10,7 +10,6 @@ So every number in the tables below is known in advance.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "eval.py"
+WRAPPER = REPO / "scripts" / "eval.py"
 
 WORDS = ["<pad>", "<eos>", "<unk>", "<|assistant|>", "<search>", "capital", "</search>", "<information>",
          "</information>", "<answer>", "paris", "</answer>"]  # fmt: skip
@@ -32,17 +31,11 @@ CORPUS = [
 ]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("sorl_eval_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def eval_script():
-    return _load_script()
+    from sorl_verl.tools import eval as module
+
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +118,9 @@ def retrieval_url(tmp_path_factory):
         yield server.retrieve_url
 
 
-def _table(out_dir: Path) -> dict[str, dict[str, str]]:
+def _table(out_dir: Path, which: str | None = None) -> dict[str, dict[str, str]]:
     with (out_dir / "eval.csv").open() as fh:
-        return {row["data_source"]: row for row in csv.DictReader(fh)}
+        return {row["data_source"]: row for row in csv.DictReader(fh) if which in (None, row["which"])}
 
 
 def _assert_row(row: dict[str, str], n, em: float, f1: float, sub_em: float) -> None:
@@ -139,7 +132,7 @@ def _assert_row(row: dict[str, str], n, em: float, f1: float, sub_em: float) -> 
 def test_generation_with_live_retrieval_server(chain_model, test_sets, retrieval_url, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(chain_model), "--data", *map(str, test_sets),
+        [sys.executable, str(WRAPPER), "--model", str(chain_model), "--data", *map(str, test_sets),
          "--out-dir", str(out), "--retrieval-url", retrieval_url, "--max-new-tokens", "8", "--title", "chain model"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -161,6 +154,7 @@ def test_generation_with_live_retrieval_server(chain_model, test_sets, retrieval
             'Doc 2(Title: "Rome") Rome is the capital of Italy. </information> <answer> paris </answer>'
         )
     markdown = (out / "eval.md").read_text()
+    assert {row["which"] for row in _table(out).values()} == {"generated"}
     assert markdown.startswith("# chain model\n") and "| hotpotqa | 1 | 0.000 | 0.667 | 0.000 |" in markdown
 
 
@@ -180,7 +174,7 @@ def test_unreachable_server_and_turn_budget(eval_script, chain_model, test_sets,
     _assert_row(_table(tmp_path / "b")["average"], 3, 0.0, 0.0, 0.0)
 
 
-def test_rescoring_a_generations_file(eval_script, tmp_path):
+def test_rescoring_a_generations_file(eval_script, tmp_path, capsys):
     rows = [
         {"data_source": "nq", "response": "<think>x</think><answer> The Paris </answer>", "ground_truth": {"target": ["Paris"]}},
         {"data_source": "nq", "response": "<answer>Paris city</answer>", "ground_truth": ["Paris"]},
@@ -197,25 +191,63 @@ def test_rescoring_a_generations_file(eval_script, tmp_path):
     _assert_row(table["nq"], 2, 0.5, (1 + 2 / 3) / 2, 1.0)
     _assert_row(table["bamboogle"], 1, 0.0, 0.0, 0.0)
     _assert_row(table["medmcqa"], 1, 1.0, 1.0, 1.0)
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"data_source": "nq", "response": "x"}) + "\n")
-    with pytest.raises(ValueError, match="missing \\['ground_truth'\\]"):
-        eval_script.main(["--generations", str(tmp_path / "bad.jsonl"), "--out-dir", str(tmp_path / "x")])
+    (tmp_path / "bad.jsonl").write_text("\n" + json.dumps({"data_source": "nq", "response": "x"}) + "\n")
+    assert eval_script.main(["--generations", str(tmp_path / "bad.jsonl"), "--out-dir", str(tmp_path / "x")]) == 2
+    assert "bad.jsonl:2: missing ['ground_truth']" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # nothing half-written
 
 
-def test_table_from_a_verl_validation_run(eval_script, tmp_path, monkeypatch):
+def _log_validations(metrics: Path, ems: dict[int, float], monkeypatch) -> None:
+    """verl's own Tracking file logger: validation at each step of ``ems``, training steps between."""
     from verl.utils.tracking import Tracking
 
-    metrics = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(metrics))
     tracker = Tracking(project_name="p", experiment_name="val", default_backend=["file"])
-    for step, em in ((0, 0.1), (50, 0.4)):
+    for step, em in ems.items():
         tracker.log({"val-core/nq/reward/mean@1": em, "val-aux/nq/em/mean@1": em, "val-aux/nq/f1/mean@1": em + 0.1,
                      "val-aux/popqa/em/mean@1": em / 2, "val-aux/popqa/f1/mean@1": em}, step=step)  # fmt: skip
-        tracker.log({"actor/pg_clipfrac": 0.1, "critic/score/mean": 0.3}, step=step + 1)  # training steps between
+        tracker.log({"actor/pg_clipfrac": 0.1, "critic/score/mean": 0.3}, step=step + 1)
     tracker.finish()
-    eval_script.main(["--metrics", str(metrics), "--out-dir", str(tmp_path / "out")])
-    table = _table(tmp_path / "out")
-    assert list(table) == ["nq", "popqa", "average"]
-    assert math.isclose(float(table["nq"]["em"]), 0.4) and math.isclose(float(table["nq"]["f1"]), 0.5)
-    assert math.isclose(float(table["popqa"]["em"]), 0.2) and math.isclose(float(table["average"]["em"]), 0.3)
-    assert table["popqa"]["substring_em"] == ""  # not logged -> left empty, never invented
+
+
+def test_table_from_a_verl_validation_run_reports_last_and_best_steps(eval_script, tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    _log_validations(metrics, {0: 0.1, 50: 0.4, 100: 0.06}, monkeypatch)  # a collapse after step 50
+    assert eval_script.main(["--metrics", str(metrics), "--out-dir", str(tmp_path / "out")]) == 0
+    last, best = _table(tmp_path / "out", "last"), _table(tmp_path / "out", "best")
+    assert list(last) == ["nq", "popqa", "average"] and {r["step"] for r in last.values()} == {"100"}
+    assert math.isclose(float(last["nq"]["em"]), 0.06) and math.isclose(float(last["popqa"]["em"]), 0.03)
+    assert {r["step"] for r in best.values()} == {"50"}
+    assert math.isclose(float(best["nq"]["em"]), 0.4) and math.isclose(float(best["nq"]["f1"]), 0.5)
+    assert math.isclose(float(best["popqa"]["em"]), 0.2) and math.isclose(float(best["average"]["em"]), 0.3)
+    assert best["popqa"]["substring_em"] == ""  # not logged -> left empty, never invented
+    markdown = (tmp_path / "out" / "eval.md").read_text()
+    assert "## last validated step: 100 (macro-average EM 0.045)" in markdown
+    assert "## best validated step: 50 (macro-average EM 0.300)" in markdown
+
+
+def test_run_directory_launches_in_order_and_step_picking(eval_script, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    # two launches of one run (the second resumed at 50 and validated it again, then went on)
+    _log_validations(run / "metrics.20250101-000000-1.jsonl", {0: 0.1, 50: 0.3}, monkeypatch)
+    _log_validations(run / "metrics.20250102-000000-1.jsonl", {50: 0.35, 100: 0.2, 150: 0.5}, monkeypatch)
+    for step in (50, 100):
+        (run / "checkpoints" / f"global_step_{step}").mkdir(parents=True)
+    capsys.readouterr()  # verl's logger announces its file
+    assert eval_script.main(["--metrics", str(run), "--print-step", "best"]) == 0
+    assert capsys.readouterr().out.strip() == "150"
+    assert (
+        eval_script.main(["--metrics", str(run), "--print-step", "best", "--checkpoints", str(run / "checkpoints")])
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == "50"  # 0.35: the resumed launch's value for step 50 wins
+    assert (
+        eval_script.main(["--metrics", str(run), "--print-step", "last", "--checkpoints", str(run / "checkpoints")])
+        == 0
+    )
+    assert capsys.readouterr().out.strip() == "100"
+    assert eval_script.main(["--metrics", str(run), "--print-step", "last", "--checkpoints", str(tmp_path)]) == 2
+    assert "none of the validated steps [0, 50, 100, 150]" in capsys.readouterr().err
+    assert eval_script.main(["--metrics", str(tmp_path / "none"), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "no such metrics file or run directory" in capsys.readouterr().err

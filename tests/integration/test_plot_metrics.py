@@ -1,9 +1,9 @@
-"""scripts/plot_metrics.py on metrics written by verl's own Tracking loggers (file, tensorboard,
-console), two runs overlaid, through the command line a user types."""
+"""``sorl-verl plot`` (sorl_verl/tools/plot.py; scripts/plot_metrics.py is a wrapper) on metrics
+written by verl's own Tracking loggers (file, tensorboard, console), two runs overlaid, through the
+command line a user types; validation never smoothed; nothing drawn over the data."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -12,18 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "plot_metrics.py"
+WRAPPER = REPO / "scripts" / "plot_metrics.py"
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("sorl_plot_metrics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plot_metrics = _load_script()
+from sorl_verl.tools import plot as plot_metrics  # noqa: E402
 
 
 def _metrics(step: int, collapse: bool) -> dict[str, float]:
@@ -111,7 +102,7 @@ def test_cli_overlays_runs_into_a_png_and_csv(two_runs, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            str(WRAPPER),
             str(healthy),
             str(collapsing),
             "--labels",
@@ -144,12 +135,79 @@ def test_cli_overlays_runs_into_a_png_and_csv(two_runs, tmp_path):
     assert any(r.startswith("GRPO,20,actor/grad_norm,") for r in rows)
 
 
-def test_missing_run_and_empty_run_fail_with_a_message(tmp_path):
+def test_missing_run_and_empty_run_fail_with_a_message(tmp_path, capsys):
     with pytest.raises(FileNotFoundError):
         plot_metrics.load_run(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no verl metrics"):
         plot_metrics.load_run(tmp_path / "empty")
+    assert plot_metrics.main([str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "empty: no verl metrics found" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+#: validation EM of a run that peaks at 0.316 and collapses to 0.063 (every 5 steps)
+COLLAPSE_VAL = {0: 0.12, 5: 0.2, 10: 0.316, 15: 0.18, 20: 0.063}
+
+
+def _collapse_run() -> plot_metrics.Run:
+    run = plot_metrics.Run("collapse")
+    for step in range(1, 21):
+        run.add(step, "critic/score/mean", 0.1 * (step % 3))
+    for step, em in COLLAPSE_VAL.items():
+        run.add(step, "val-aux/nq/em/mean@1", em)
+    return run
+
+
+def test_smoothing_never_touches_validation_series():
+    import matplotlib.pyplot as plt
+
+    panels = [plot_metrics.DEFAULT_PANELS[0], plot_metrics.DEFAULT_PANELS[1]]
+    assert [p.validation for p in panels] == [False, True]
+    fig = plot_metrics.draw_runs([_collapse_run()], panels, window=5)
+    try:
+        train_ax, val_ax = fig.axes[:2]
+        (val_line,) = val_ax.lines
+        # exactly the logged points, the collapse included (a 5-point mean would show 0.178 at step 20)
+        assert list(val_line.get_xdata()) == list(COLLAPSE_VAL)
+        assert list(val_line.get_ydata()) == list(COLLAPSE_VAL.values())
+        assert max(val_line.get_ydata()) == 0.316 and val_line.get_marker() == "o"
+        raw, smoothed = train_ax.lines  # training: the raw series, faint, under its trailing mean
+        raw_y = [0.1 * (s % 3) for s in range(1, 21)]
+        assert list(raw.get_ydata()) == raw_y and raw.get_alpha() < 0.5
+        assert list(smoothed.get_ydata()) == plot_metrics.smooth(raw_y, 5) and smoothed.get_label() == "collapse"
+        assert "smoothed, 5 pts" in train_ax.get_title() and "smoothed" not in val_ax.get_title()
+    finally:
+        plt.close(fig)
+
+
+def test_labels_and_legend_do_not_overlap_the_plotted_data():
+    """Rendered geometry: the run legend and every panel title (with its "not logged" line) lie
+    outside every panel's plotting area; no text is drawn inside a panel."""
+    import matplotlib.pyplot as plt
+
+    partial = plot_metrics.Run("no sorl metrics")
+    for step in range(1, 21):
+        partial.add(step, "critic/score/mean", 0.05 * step)
+    fig = plot_metrics.draw_runs([_collapse_run(), partial], plot_metrics.DEFAULT_PANELS, window=3)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        panels = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
+        assert len(panels) == len(plot_metrics.DEFAULT_PANELS)
+        boxes = [ax.get_window_extent(renderer) for ax in panels]
+        (legend,) = fig.legends
+        labels = [legend.get_window_extent(renderer)] + [ax.title.get_window_extent(renderer) for ax in panels]
+        for label in labels:
+            for box in boxes:
+                assert not label.overlaps(box), (label, box)
+        for ax in panels:
+            assert not ax.texts  # nothing written over the curves
+        z_panel = panels[5]
+        assert z_panel.get_title().endswith("not logged: collapse, no sorl metrics")
+        assert "not logged: collapse" in panels[2].get_title()  # actor/pg_clipfrac: neither logged it
+        assert "not logged" not in panels[0].get_title()
+    finally:
+        plt.close(fig)
 
 
 def test_panels_find_the_metric_names_verl_logs_for_the_sorl_loss(tmp_path, monkeypatch):
@@ -161,12 +219,12 @@ def test_panels_find_the_metric_names_verl_logs_for_the_sorl_loss(tmp_path, monk
     from verl.utils.py_functional import rename_dict
     from verl.utils.tracking import Tracking
 
+    overrides = ["+task=search_qa", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
     with initialize_config_dir(config_dir=str(REPO / "recipe" / "sorl" / "config"), version_base=None):
-        cfg = compose(
-            config_name="sorl_trainer",
-            overrides=["+task=search_qa", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
-        )
+        cfg = compose(config_name="sorl_trainer", overrides=overrides)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    if hasattr(actor.policy_loss, "clip_norm_apply"):  # the loss alone, outside an actor worker's optimizer
+        object.__setattr__(actor.policy_loss, "clip_norm_apply", "loss")
     mask = torch.ones(2, 6, dtype=torch.bool)
     log_prob = torch.full((2, 6), 3.0, requires_grad=True)  # ratio e^3: every turn clipped
     _, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(

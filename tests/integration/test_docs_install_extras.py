@@ -1,0 +1,43 @@
+"""The GPU install extras resolve to verl's own extras of the installed verl release (the way verl
+installs vLLM / SGLang / Megatron, with its pinned builds), under the same verl version range as
+the base dependency; the CPU install is untouched; the quickstart shows them."""
+
+from __future__ import annotations
+
+from importlib.metadata import metadata
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+GPU_EXTRAS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "megatron": {"megatron", "mcore"}}
+
+
+def test_gpu_extras_are_verl_s_own_extras_under_the_base_version_range():
+    base = next(Requirement(r) for r in PROJECT["dependencies"] if Requirement(r).name == "verl")
+    verl_extras = set(metadata("verl").get_all("Provides-Extra"))
+    extras = PROJECT["optional-dependencies"]
+    for name, wanted in GPU_EXTRAS.items():
+        (req,) = (Requirement(r) for r in extras[name])
+        assert req.name == "verl" and req.extras == wanted, (name, req)
+        assert wanted <= verl_extras, f"verl {metadata('verl')['Version']} has no extra {wanted - verl_extras}"
+        assert req.specifier == base.specifier, (name, str(req.specifier), str(base.specifier))
+
+
+def test_cpu_install_brings_no_gpu_stack():
+    names = {Requirement(r).name for r in PROJECT["dependencies"]}
+    assert not names & {"vllm", "sglang", "megatron-core", "flash-attn"}
+    base = next(Requirement(r) for r in PROJECT["dependencies"] if Requirement(r).name == "verl")
+    assert base.extras == {"verl-core"}
+    for extra in ("test", "dense", "plot"):
+        assert all(Requirement(r).name != "verl" for r in PROJECT["optional-dependencies"][extra])
+
+
+def test_quickstart_installs_with_an_engine_extra():
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    for extra in ("vllm", "sglang"):
+        assert f'pip install -e ".[{extra},plot]"' in text or f'pip install "sorl-verl[{extra}' in text, extra
