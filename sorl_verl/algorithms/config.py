@@ -23,20 +23,32 @@ from verl.workers.config import PolicyLossConfig
 
 CLIP_NORM_MODES = ("max", "add", "none")
 CLIP_NORM_SCOPES = ("micro_batch", "global")
+CLIP_NORM_REFERENCES = ("absolute", "relative")
+CLIP_NORM_APPLY = ("update", "loss")
 KNOB_PREFIX = "actor_rollout_ref.actor.policy_loss"
 
 
 @dataclass(frozen=True)
 class SORLKnobs:
-    """The four SORL knobs with their defaults (see docs/algorithms.md)."""
+    """The SORL knobs with their defaults (see docs/algorithms.md)."""
 
     clip_norm_mode: str = "max"
     clip_norm_tau: float = 1.0
     clip_norm_scope: str = "micro_batch"
     log_ratio_clamp: float = 20.0
+    clip_norm_reference: str = "absolute"
+    clip_norm_apply: str = "update"
 
     def __post_init__(self) -> None:
-        validate_knobs(self.clip_norm_mode, self.clip_norm_tau, self.clip_norm_scope, self.log_ratio_clamp)
+        validate_knobs(**knob_values(self))
+
+
+KNOB_NAMES = tuple(SORLKnobs.__dataclass_fields__)
+
+
+def knob_values(obj: Any) -> dict[str, Any]:
+    """The SORL knobs of a dataclass instance (``SORLKnobs`` or ``SORLPolicyLossConfig``)."""
+    return {name: getattr(obj, name) for name in KNOB_NAMES}
 
 
 def _positive_number(name: str, value: Any) -> None:
@@ -45,19 +57,26 @@ def _positive_number(name: str, value: Any) -> None:
         raise ValueError(f"{KNOB_PREFIX}.{name}={value!r} is invalid: it must be a finite number > 0")
 
 
-def validate_knobs(clip_norm_mode: Any, clip_norm_tau: Any, clip_norm_scope: Any, log_ratio_clamp: Any) -> None:
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{KNOB_PREFIX}.{name}={value!r} is invalid: allowed values are {', '.join(allowed)}")
+
+
+def validate_knobs(
+    clip_norm_mode: Any,
+    clip_norm_tau: Any,
+    clip_norm_scope: Any,
+    log_ratio_clamp: Any,
+    clip_norm_reference: Any = "absolute",
+    clip_norm_apply: Any = "update",
+) -> None:
     """Raise ``ValueError`` naming the first bad knob and its allowed values."""
-    if clip_norm_mode not in CLIP_NORM_MODES:
-        raise ValueError(
-            f"{KNOB_PREFIX}.clip_norm_mode={clip_norm_mode!r} is invalid: allowed values are {', '.join(CLIP_NORM_MODES)}"
-        )
+    _one_of("clip_norm_mode", clip_norm_mode, CLIP_NORM_MODES)
     _positive_number("clip_norm_tau", clip_norm_tau)
-    if clip_norm_scope not in CLIP_NORM_SCOPES:
-        raise ValueError(
-            f"{KNOB_PREFIX}.clip_norm_scope={clip_norm_scope!r} is invalid: "
-            f"allowed values are {', '.join(CLIP_NORM_SCOPES)}"
-        )
+    _one_of("clip_norm_scope", clip_norm_scope, CLIP_NORM_SCOPES)
     _positive_number("log_ratio_clamp", log_ratio_clamp)
+    _one_of("clip_norm_reference", clip_norm_reference, CLIP_NORM_REFERENCES)
+    _one_of("clip_norm_apply", clip_norm_apply, CLIP_NORM_APPLY)
 
 
 @dataclass
@@ -68,12 +87,14 @@ class SORLPolicyLossConfig(PolicyLossConfig):
     clip_norm_tau: float = 1.0
     clip_norm_scope: str = "micro_batch"
     log_ratio_clamp: float = 20.0
+    clip_norm_reference: str = "absolute"
+    clip_norm_apply: str = "update"
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
-        validate_knobs(self.clip_norm_mode, self.clip_norm_tau, self.clip_norm_scope, self.log_ratio_clamp)
+        validate_knobs(**knob_values(self))
 
 
 def _lookup(container: Any, key: str) -> Any:
@@ -96,7 +117,7 @@ def read_knobs(actor_config: Any) -> SORLKnobs:
     policy_loss = _lookup(actor_config, "policy_loss")
     defaults = SORLKnobs()
     values = {}
-    for name in ("clip_norm_mode", "clip_norm_tau", "clip_norm_scope", "log_ratio_clamp"):
+    for name in KNOB_NAMES:
         value = _lookup(policy_loss, name)
         values[name] = getattr(defaults, name) if value is None else value
     return SORLKnobs(**values)

@@ -5,9 +5,14 @@ Per token (``m`` = response_mask, ``d = clamp(log_prob - old_log_prob, ±log_rat
     r = exp(mean of d over the token's turn)   (turn ratio)   or   exp(d)   (token ratio)
     L = verl vanilla dual-clip surrogate with r in place of the token ratio [* rollout_is_weights]
     x = 1 where clipping zeroed dL/dr;  c = x * r * A  (no gradient)
-    ||C|| = sqrt(sum c^2 / sum m)        (summed over the data-parallel group if scope=global)
-    Z = max(1, ||C||/tau) | 1 + ||C||/tau | 1     (clip_norm_mode = max | add | none)
-    loss = agg_loss(L, m, loss_agg_mode, **global_batch_info) / Z      (Z a constant)
+    ||C|| = sqrt(sum c^2 / sum m);  rho = sqrt(sum c^2 / sum (r A)^2)   (sums over the data-parallel
+            group if scope=global)
+    q = ||C|| (reference=absolute) | rho (reference=relative)
+    Z = max(1, q/tau) | 1 + q/tau | 1     (clip_norm_mode = max | add | none)
+    apply=loss:   loss = agg_loss(L, m, loss_agg_mode, **global_batch_info) / Z      (Z a constant)
+    apply=update: loss = agg_loss(...); 1/Z is published to the optimizer of this process, whose
+                  step is scaled by the mean of 1/Z over the step's micro-batches
+                  (:mod:`sorl_verl.algorithms.optim`)
 
 ``turn_ppo`` (turn ratio, Z = 1), ``s_ppo`` (token ratio, Z on), ``so_ppo`` and ``so_grpo``
 (turn ratio, Z on) share :func:`sorl_policy_loss`; registration is in :mod:`sorl_verl.plugin`.
@@ -22,6 +27,8 @@ import torch.distributed as dist
 from verl.trainer.ppo.core_algos import agg_loss
 
 from sorl_verl.algorithms.config import SORLKnobs, read_knobs
+from sorl_verl.algorithms.optim import LEDGER
+from sorl_verl.algorithms.parallel import data_parallel_group
 from sorl_verl.algorithms.turns import Turns, broadcast_turns, segment_turns, turn_mean
 
 
@@ -36,20 +43,25 @@ def _clip_params(config: Any) -> tuple[float, float, float]:
     return low, high, clip_ratio_c
 
 
-def clip_bias_norm(sum_sq_bias: torch.Tensor, num_tokens: torch.Tensor, scope: str) -> torch.Tensor:
-    """``||C|| = sqrt(sum c^2 / sum m)`` (float64 scalar; 0 when there is no token).
+def clip_bias_stats(
+    sum_sq_bias: torch.Tensor, num_tokens: torch.Tensor, sum_sq_update: torch.Tensor, scope: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(||C||, rho)``: ``sqrt(sum c^2 / sum m)`` and ``sqrt(sum c^2 / sum (r A)^2)`` (float64; 0 without tokens).
 
-    Both sums are all-reduced over the default process group when ``scope == "global"`` and
-    ``torch.distributed`` is initialized (every rank must then call the loss equally often).
+    The three sums are all-reduced over the data-parallel group (:func:`data_parallel_group`)
+    when ``scope == "global"`` and ``torch.distributed`` is initialized; every rank of that group
+    must then call the loss equally often.
     """
-    sums = torch.stack([sum_sq_bias.double(), num_tokens.double()])
+    sums = torch.stack([sum_sq_bias.double(), num_tokens.double(), sum_sq_update.double()])
     if scope == "global" and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    return torch.sqrt(sums[0] / sums[1].clamp_min(1.0))
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=data_parallel_group())
+    norm = torch.sqrt(sums[0] / sums[1].clamp_min(1.0))
+    rel = torch.where(sums[2] > 0, torch.sqrt(sums[0] / torch.where(sums[2] > 0, sums[2], 1.0)), 0.0)
+    return norm, rel.clamp(max=1.0)
 
 
 def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
-    """``Z`` from ``||C||``: ``max(1, ||C||/tau)``, ``1 + ||C||/tau`` or ``1``."""
+    """``Z`` from the reference quantity ``q``: ``max(1, q/tau)``, ``1 + q/tau`` or ``1``."""
     if knobs.clip_norm_mode == "none":
         return torch.ones((), dtype=torch.float64, device=norm.device)
     scaled = norm / knobs.clip_norm_tau
@@ -58,29 +70,36 @@ def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
     return torch.clamp(scaled, min=1.0)
 
 
-def _turn_metrics(turn_log_ratio: torch.Tensor, turns: Turns, low: float, high: float) -> dict[str, torch.Tensor]:
-    """Turn-ratio statistics from the ``[B, K + 1]`` turn log-ratios (geometric-mean ratios).
+def _ratio_metrics(log_ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float, unit: str) -> dict:
+    """Mean / max / min of the ratios the loss uses and the fraction outside the trust region.
 
-    Empty micro-batch: ratios 1, clip fraction 0, 0 turns. ``num_turns_mean`` averages over
-    rows that have at least one policy token.
+    ``unit`` is ``turn`` (``[B, K]`` turn log-ratios, geometric-mean ratios) or ``token``
+    (``[B, T]`` token log-ratios); an empty micro-batch gives ratios 1 and clip fraction 0.
     """
-    one = torch.ones((), dtype=torch.float64, device=turn_log_ratio.device)
-    if turns.max_turns == 0:
-        names = ("turn_ratio_mean", "turn_ratio_max", "turn_ratio_min")
-        return {**{f"sorl/{n}": one for n in names}, "sorl/turn_clipfrac": 0 * one, "sorl/num_turns_mean": 0 * one}
-    valid = turns.valid[:, 1:]
-    ratios = torch.exp(turn_log_ratio[:, 1:].double())
-    n = valid.sum().clamp_min(1)
+    one = torch.ones((), dtype=torch.float64, device=log_ratio.device)
+    if not bool(valid.any()):
+        return {
+            f"sorl/{unit}_ratio_mean": one,
+            f"sorl/{unit}_ratio_max": one,
+            f"sorl/{unit}_ratio_min": one,
+            f"sorl/{unit}_clipfrac": 0 * one,
+        }
+    ratios = torch.exp(log_ratio.double())
+    n = valid.sum()
     inf = torch.tensor(float("inf"), dtype=torch.float64, device=ratios.device)
     outside = ((ratios < 1.0 - low) | (ratios > 1.0 + high)) & valid
-    rows_with_turns = (turns.num_turns > 0).sum().clamp_min(1)
     return {
-        "sorl/turn_ratio_mean": torch.where(valid, ratios, 0.0).sum() / n,
-        "sorl/turn_ratio_max": torch.where(valid, ratios, -inf).max(),
-        "sorl/turn_ratio_min": torch.where(valid, ratios, inf).min(),
-        "sorl/turn_clipfrac": outside.sum() / n,
-        "sorl/num_turns_mean": turns.num_turns.sum().double() / rows_with_turns,
+        f"sorl/{unit}_ratio_mean": torch.where(valid, ratios, 0.0).sum() / n,
+        f"sorl/{unit}_ratio_max": torch.where(valid, ratios, -inf).max(),
+        f"sorl/{unit}_ratio_min": torch.where(valid, ratios, inf).min(),
+        f"sorl/{unit}_clipfrac": outside.sum() / n,
     }
+
+
+def _num_turns_mean(turns: Turns) -> torch.Tensor:
+    """Mean number of turns over rows with at least one policy token (0 if none)."""
+    rows_with_turns = (turns.num_turns > 0).sum().clamp_min(1)
+    return turns.num_turns.sum().double() / rows_with_turns
 
 
 def sorl_policy_loss(
@@ -117,8 +136,6 @@ def sorl_policy_loss(
         turn_log_ratio = turn_mean(log_ratio, turns, zero_outside=True)
         ratio = torch.exp(broadcast_turns(turn_log_ratio, turns))
     else:
-        with torch.no_grad():
-            turn_log_ratio = turn_mean(log_ratio, turns, zero_outside=True)
         ratio = torch.exp(log_ratio)
 
     negative_adv = adv < 0
@@ -134,28 +151,54 @@ def sorl_policy_loss(
     with torch.no_grad():
         upper = torch.gt(pg_losses2, pg_losses1)  # clip(r) active: dL/dr = 0 (False where m = 0: A = 0)
         lower = torch.gt(clip_pg_losses1, pg_losses3) & negative_adv  # dual clip active
-        clip_bias = torch.where(upper | lower, ratio * adv, zero)
+        update = ratio * adv
+        clip_bias = torch.where(upper | lower, update, zero)
         num_tokens = turns.count.sum()
-        norm = clip_bias_norm(clip_bias.square().sum(), num_tokens, knobs.clip_norm_scope)
-        z = normalizer(norm, knobs) if normalize else torch.ones((), dtype=torch.float64, device=norm.device)
+        norm, rel = clip_bias_stats(clip_bias.square().sum(), num_tokens, update.square().sum(), knobs.clip_norm_scope)
+        active = normalize and knobs.clip_norm_mode != "none"
+        reference = rel if knobs.clip_norm_reference == "relative" else norm
+        z = normalizer(reference, knobs) if active else torch.ones((), dtype=torch.float64, device=norm.device)
+        at_update = knobs.clip_norm_apply == "update"
 
     if turns.max_turns > 0:
         pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
-        pg_loss = pg_loss / z.to(pg_loss.dtype)
+        if not at_update:
+            pg_loss = pg_loss / z.to(pg_loss.dtype)
     else:  # no policy token: a zero loss that still reaches the graph, never 0/0
         pg_loss = torch.where(mask, log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)).sum() * 0
+    if active and at_update and torch.is_grad_enabled() and log_prob.requires_grad:
+        _publish_to_optimizer(float(z), float(norm), float(rel))
 
     with torch.no_grad():
-        stats = _turn_metrics(turn_log_ratio.detach(), turns, low, high)
+        if turn_level:
+            stats = _ratio_metrics(turn_log_ratio[:, 1:], turns.valid[:, 1:], low, high, "turn")
+        else:
+            stats = _ratio_metrics(log_ratio, mask, low, high, "token")
+        stats["sorl/num_turns_mean"] = _num_turns_mean(turns)
         token_denominator = num_tokens + 1e-8  # verl's masked_mean
+        inv_z = 1.0 / z
         stats["sorl/clip_bias_norm"] = norm
+        stats["sorl/clip_bias_rel"] = rel
         stats["sorl/norm_factor"] = z
         stats["sorl/triggered"] = (z > 1.0).double()
+        stats["sorl/update_scale"] = inv_z if at_update else torch.ones_like(z)
+        stats["sorl/loss_scale"] = torch.ones_like(z) if at_update else inv_z
         stats["actor/pg_clipfrac"] = upper.sum().to(torch.float32) / token_denominator
         stats["actor/ppo_kl"] = -log_ratio.sum() / token_denominator
         stats["actor/pg_clipfrac_lower"] = lower.sum().to(torch.float32) / token_denominator
         values = torch.stack([v.double().reshape(()).to(norm.device) for v in stats.values()]).tolist()
     return pg_loss, dict(zip(stats, values, strict=True))
+
+
+def _publish_to_optimizer(z: float, norm: float, rel: float) -> None:
+    """Hand ``1/Z`` of this micro-batch to the update-scaled optimizer of this process."""
+    if LEDGER.consumers == 0:
+        raise RuntimeError(
+            "sorl_verl: actor_rollout_ref.actor.policy_loss.clip_norm_apply=update needs the SORL optimizer "
+            "in the actor worker: set actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim "
+            "(recipe/sorl/config/sorl_trainer.yaml does), or use clip_norm_apply=loss"
+        )
+    LEDGER.record(z, norm, rel)
 
 
 def compute_policy_loss_turn_ppo(

@@ -32,6 +32,8 @@ actor_rollout_ref:
       clip_norm_tau: 1.0
       clip_norm_scope: micro_batch
       log_ratio_clamp: 20.0
+      clip_norm_reference: absolute
+      clip_norm_apply: update
 """
 
 
@@ -57,18 +59,20 @@ def test_every_knob_is_a_plain_override(config_dir):
             f"{PREFIX}.clip_norm_tau=0.25",
             f"{PREFIX}.clip_norm_scope=global",
             f"{PREFIX}.log_ratio_clamp=5",
+            f"{PREFIX}.clip_norm_reference=absolute",
+            f"{PREFIX}.clip_norm_apply=loss",
         ],
     )
     assert isinstance(actor.policy_loss, SORLPolicyLossConfig)
     assert actor.policy_loss.loss_mode == "s_ppo"
-    assert read_knobs(actor) == SORLKnobs("add", 0.25, "global", 5)
+    assert read_knobs(actor) == SORLKnobs("add", 0.25, "global", 5, "absolute", "loss")
     # the built config drives the registered loss: all ratios clamp at e^5, Z = 1 + ||C|| / 0.25
     mask = torch.ones(2, 6, dtype=torch.bool)
     log_prob = torch.full((2, 6), 9.0, requires_grad=True)
     loss, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
         torch.zeros(2, 6), log_prob, torch.ones(2, 6), mask, actor.loss_agg_mode, actor, None
     )
-    assert metrics["sorl/turn_ratio_max"] == pytest.approx(torch.e**5, rel=1e-5)
+    assert metrics["sorl/token_ratio_max"] == pytest.approx(torch.e**5, rel=1e-5)
     norm = metrics["sorl/clip_bias_norm"]
     assert norm == pytest.approx(torch.e**5, rel=1e-5)  # every token clipped with r * A = e^5
     assert metrics["sorl/norm_factor"] == pytest.approx(1 + norm / 0.25, rel=1e-6)
@@ -94,6 +98,8 @@ def test_appended_unknown_knob_fails_naming_it(config_dir):
         ("clip_norm_mode=maxx", "clip_norm_mode='maxx'"),
         ("clip_norm_tau=0", "clip_norm_tau=0"),
         ("clip_norm_scope=all", "clip_norm_scope='all'"),
+        ("clip_norm_reference=rms", "clip_norm_reference='rms'"),
+        ("clip_norm_apply=grad", "clip_norm_apply='grad'"),
     ],
 )
 def test_out_of_range_knob_fails_at_start_up_naming_it(config_dir, override, named):

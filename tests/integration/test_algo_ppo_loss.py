@@ -12,6 +12,7 @@ from verl.utils.metric import Metric
 from verl.workers.config import ActorConfig
 from verl.workers.utils.losses import ppo_loss
 
+from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -59,6 +60,15 @@ def set_global_info(data: TensorDict, batch_num_tokens: int, global_batch_size: 
     tu.assign_non_tensor_data(data, "global_batch_size", global_batch_size)
 
 
+@pytest.fixture(autouse=True)
+def sorl_optimizer():
+    """The update-scaled optimizer verl's actor worker builds (optimizer_impl=sorl_verl.algorithms.optim)."""
+    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    optim.LEDGER.clear()
+    yield opt
+    optim.LEDGER.clear()
+
+
 def actor(loss_mode: str, loss_agg_mode: str, **knobs) -> ActorConfig:
     return ActorConfig(
         strategy="fsdp",
@@ -79,7 +89,8 @@ def test_through_verl_ppo_loss(loss_mode, loss_agg_mode):
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(flat.grad).all() and flat.grad.abs().sum() > 0
     values = {k: v.aggregate() for k, v in metrics.items()}
-    for key in ("turn_ratio_mean", "turn_ratio_max", "turn_ratio_min", "turn_clipfrac", "clip_bias_norm"):
+    unit = "token" if loss_mode == "s_ppo" else "turn"
+    for key in (f"{unit}_ratio_mean", f"{unit}_ratio_max", f"{unit}_ratio_min", f"{unit}_clipfrac", "clip_bias_norm"):
         assert math.isfinite(values[f"sorl/{key}"])
     assert values["sorl/norm_factor"] >= 1.0 and values["sorl/num_turns_mean"] > 1.0
     assert {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/pg_loss"} <= set(values)
@@ -91,7 +102,7 @@ def test_ppo_loss_matches_direct_call_with_global_batch_info(loss_agg_mode):
 
     flat, data, padded, mask = micro_batch(seed=2, spread=1.0)
     set_global_info(data, 100, 10)  # a micro-batch of a larger mini-batch
-    config = actor("so_grpo", loss_agg_mode, clip_norm_tau=0.5)
+    config = actor("so_grpo", loss_agg_mode, clip_norm_tau=0.5, clip_norm_apply="loss")
     via_verl, _ = ppo_loss(config, {"log_probs": flat}, data)
     direct, metrics = get_policy_loss_fn("so_grpo")(
         data["old_log_probs"], padded, data["advantages"], mask, loss_agg_mode, config, None

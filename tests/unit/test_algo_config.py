@@ -29,6 +29,8 @@ def test_defaults_follow_the_spec():
         ({"clip_norm_tau": float("nan")}, "clip_norm_tau=nan", "> 0"),
         ({"clip_norm_scope": "world"}, "clip_norm_scope='world'", "micro_batch, global"),
         ({"log_ratio_clamp": 0}, "log_ratio_clamp=0", "> 0"),
+        ({"clip_norm_reference": "rel"}, "clip_norm_reference='rel'", "absolute, relative"),
+        ({"clip_norm_apply": "optimizer"}, "clip_norm_apply='optimizer'", "update, loss"),
     ],
 )
 def test_bad_values_fail_naming_the_knob_and_allowed_values(knobs, named, allowed):

@@ -9,25 +9,39 @@ import torch
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
+from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import POLICY_LOSSES
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-SORL_KEYS = {
-    "sorl/turn_ratio_mean",
-    "sorl/turn_ratio_max",
-    "sorl/turn_ratio_min",
-    "sorl/turn_clipfrac",
+NORMALIZER_KEYS = {
     "sorl/clip_bias_norm",
+    "sorl/clip_bias_rel",
     "sorl/norm_factor",
     "sorl/triggered",
+    "sorl/update_scale",
+    "sorl/loss_scale",
     "sorl/num_turns_mean",
 }
+TURN_KEYS = {"sorl/turn_ratio_mean", "sorl/turn_ratio_max", "sorl/turn_ratio_min", "sorl/turn_clipfrac"}
+TOKEN_KEYS = {key.replace("turn", "token") for key in TURN_KEYS}
 VERL_KEYS = {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
 
 
+@pytest.fixture(autouse=True)
+def sorl_optimizer():
+    """An update-scaled optimizer exists in this process, as in verl's actor worker; the ledger
+    it reads from starts and ends each test empty."""
+    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    optim.LEDGER.clear()
+    yield opt
+    optim.LEDGER.clear()
+
+
 def actor_config(**knobs) -> ActorConfig:
-    policy_loss = SORLPolicyLossConfig(**knobs) if knobs else PolicyLossConfig()
+    """Loss-level normalization unless asked otherwise: the spec's loss identities (Z = 1 bit for
+    bit, loss / Z under clipping) are about the loss; update-level tests pass clip_norm_apply."""
+    policy_loss = SORLPolicyLossConfig(**{"clip_norm_apply": "loss", **knobs}) if knobs else PolicyLossConfig()
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=policy_loss)
 
 
@@ -124,7 +138,9 @@ def test_on_policy_ratios_one_and_plain_policy_gradient(name):
     old, _, adv = batch(mask, turn_constant_adv=True)
     loss, grad, metrics = loss_and_grad(get_policy_loss_fn(name), old, old.clone(), adv, mask)
     n = mask.sum()
-    assert metrics["sorl/turn_ratio_mean"] == metrics["sorl/turn_ratio_max"] == metrics["sorl/turn_ratio_min"] == 1.0
+    unit = "token" if name == "s_ppo" else "turn"
+    assert metrics[f"sorl/{unit}_ratio_mean"] == metrics[f"sorl/{unit}_ratio_max"] == 1.0
+    assert metrics[f"sorl/{unit}_ratio_min"] == 1.0 and metrics["sorl/clip_bias_rel"] == 0.0
     assert metrics["sorl/norm_factor"] == 1.0 and metrics["sorl/triggered"] == 0.0
     assert metrics["sorl/clip_bias_norm"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
     torch.testing.assert_close(grad, -adv * mask / n, rtol=1e-6, atol=1e-9)
@@ -235,7 +251,7 @@ def test_metrics_are_python_floats_with_all_keys(name):
     mask = ragged_mask()
     old, new, adv = batch(mask)
     _, _, metrics = loss_and_grad(get_policy_loss_fn(name), old, new, adv, mask)
-    assert set(metrics) == SORL_KEYS | VERL_KEYS
+    assert set(metrics) == NORMALIZER_KEYS | (TOKEN_KEYS if name == "s_ppo" else TURN_KEYS) | VERL_KEYS
     assert all(type(v) is float and math.isfinite(v) for v in metrics.values())
 
 
@@ -334,3 +350,94 @@ def test_clipped_turns_get_no_gradient_and_unclipped_turns_do():
                 assert torch.all(grad[b, idx] != 0)
     assert silenced > 0 and active > 0
     assert torch.all(grad[~mask] == 0)
+
+
+def expected_clip_bias_rel(old, new, adv, mask, turn_level, low=0.2, high=0.2, c=3.0) -> float:
+    """rho = sqrt(sum c^2 / sum (r A)^2), read directly from the spec."""
+    norm = expected_clip_bias_norm(old, new, adv, mask, turn_level, low, high, c)
+    total = 0.0
+    for b, turns in enumerate(turn_lists(mask)):
+        for turn in turns:
+            log_ratios = [new[b, t].item() - old[b, t].item() for t in turn]
+            for i, t in enumerate(turn):
+                r = math.exp(sum(log_ratios) / len(turn)) if turn_level else math.exp(log_ratios[i])
+                total += (r * adv[b, t].item()) ** 2
+    return norm * math.sqrt(int(mask.sum()) / total)
+
+
+@pytest.mark.parametrize("name,turn_level", [("so_grpo", True), ("s_ppo", False)])
+@pytest.mark.parametrize("reference", ["absolute", "relative"])
+def test_update_mode_leaves_the_loss_alone_and_publishes_one_over_z(name, turn_level, reference):
+    """clip_norm_apply=update: loss and gradient are the un-normalized ones bit for bit; the
+    micro-batch's Z goes to the optimizer's ledger (the update-level identity is in test_algo_optim)."""
+    mask = ragged_mask(seed=7)
+    old, new, adv = batch(mask, spread=1.5)
+    tau = 0.5 if reference == "absolute" else 0.2
+    knobs = {"clip_norm_tau": tau, "clip_norm_reference": reference}
+    loss, grad, metrics = loss_and_grad(
+        get_policy_loss_fn(name), old, new, adv, mask, config=actor_config(clip_norm_apply="update", **knobs)
+    )
+    ref_loss, ref_grad, _ = loss_and_grad(
+        get_policy_loss_fn(name), old, new, adv, mask, config=actor_config(clip_norm_mode="none")
+    )
+    norm = expected_clip_bias_norm(old, new, adv, mask, turn_level)
+    rel = expected_clip_bias_rel(old, new, adv, mask, turn_level)
+    z = max(1.0, (norm if reference == "absolute" else rel) / tau)
+    assert 0 < rel < 1 and z > 1.0
+    assert metrics["sorl/clip_bias_rel"] == pytest.approx(rel, rel=1e-5)
+    assert metrics["sorl/norm_factor"] == pytest.approx(z, rel=1e-5)
+    assert metrics["sorl/update_scale"] == pytest.approx(1 / z, rel=1e-5) and metrics["sorl/loss_scale"] == 1.0
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    records = optim.LEDGER.take()
+    assert records["z"] == [pytest.approx(z, rel=1e-5)] and records["inv_z"] == [pytest.approx(1 / z, rel=1e-5)]
+    assert records["clip_bias_norm"] == [pytest.approx(norm, rel=1e-5)]
+
+
+def test_loss_mode_reports_its_scale_at_the_loss():
+    mask = ragged_mask(seed=7)
+    old, new, adv = batch(mask, spread=1.5)
+    _, _, metrics = loss_and_grad(
+        get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=actor_config(clip_norm_tau=0.5)
+    )
+    assert metrics["sorl/norm_factor"] > 1.0 and metrics["sorl/update_scale"] == 1.0
+    assert metrics["sorl/loss_scale"] == pytest.approx(1 / metrics["sorl/norm_factor"])
+    assert optim.LEDGER.take()["z"] == []
+
+
+def test_update_mode_publishes_nothing_without_gradients_or_normalization():
+    mask = ragged_mask(seed=7)
+    old, new, adv = batch(mask, spread=1.5)
+    config = actor_config(clip_norm_apply="update", clip_norm_tau=0.5)
+    with torch.no_grad():
+        get_policy_loss_fn("so_grpo")(old, new, adv, mask, "token-mean", config, None)
+    loss_and_grad(get_policy_loss_fn("turn_ppo"), old, new, adv, mask, config=config)  # turn_ppo: Z = 1 always
+    loss_and_grad(
+        get_policy_loss_fn("so_grpo"),
+        old,
+        new,
+        adv,
+        mask,
+        config=actor_config(clip_norm_apply="update", clip_norm_mode="none"),
+    )
+    assert optim.LEDGER.take()["z"] == []
+
+
+def test_update_mode_without_the_sorl_optimizer_fails_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(optim.LEDGER, "consumers", 0)
+    mask = ragged_mask(seed=7)
+    old, new, adv = batch(mask, spread=1.5)
+    with pytest.raises(RuntimeError, match="optimizer_impl=sorl_verl.algorithms.optim"):
+        loss_and_grad(get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=actor_config(clip_norm_apply="update"))
+
+
+def test_s_ppo_reports_the_token_ratios_it_uses():
+    mask = ragged_mask(seed=9)
+    old, new, adv = batch(mask, spread=0.3)
+    _, _, metrics = loss_and_grad(get_policy_loss_fn("s_ppo"), old, new, adv, mask)
+    ratios = torch.exp(new - old)[mask].double()
+    assert metrics["sorl/token_ratio_max"] == pytest.approx(float(ratios.max()), rel=1e-6)
+    assert metrics["sorl/token_ratio_min"] == pytest.approx(float(ratios.min()), rel=1e-6)
+    assert metrics["sorl/token_ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-6)
+    outside = float(((ratios < 0.8) | (ratios > 1.2)).double().mean())
+    assert 0 < outside < 1 and metrics["sorl/token_clipfrac"] == pytest.approx(outside)
+    assert not any(key.startswith("sorl/turn_") for key in metrics)

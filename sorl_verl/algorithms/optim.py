@@ -1,0 +1,166 @@
+"""Update-level clipping-triggered normalization: optimizers whose step shrinks by ``1/Z``.
+
+Dividing the loss by a normalizer ``Z`` that is constant over a mini-batch barely changes an Adam
+update (Adam divides by the running RMS of the gradient; its first step is sign-like). In
+``clip_norm_apply = update`` mode the SORL loss leaves the loss as it is and publishes ``1/Z_i``
+for each micro-batch ``i`` it computes with gradients on; the optimizer of that worker process
+then takes the step with its learning rate multiplied by
+
+    s = mean over the step's micro-batches (and data-parallel ranks) of 1 / Z_i
+
+and restores the learning rate afterwards. For Adam, AdamW, SGD (with momentum) and every torch
+optimizer whose parameter change is proportional to ``lr``, the whole update of that step -
+weight decay included - is ``s`` times the optimizer's own, while its moment estimates see the
+true gradient. With ``s == 1`` (no clipping, or no SORL loss at all) ``step`` is the optimizer's
+own, bit for bit.
+
+Select it in verl with ``actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim``
+(``optimizer=AdamW`` | ``Adam`` | ``SGD``); verl's ``build_optimizer`` passes
+``override_optimizer_config`` as keyword arguments, so ``update_log`` (a JSON-lines path written
+by global rank 0, one record per step) and ``log_update_norm`` (L2 norm of the parameter change,
+costs one copy of the local parameters) are set there.
+
+The ledger is per process: records made between ``zero_grad`` (verl calls it before the
+micro-batches of a mini-batch, and instead of ``step`` when the gradient is not finite) and
+``step`` belong to that step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sorl_verl.algorithms.parallel import data_parallel_group
+
+__all__ = ["LEDGER", "Adam", "AdamW", "SGD", "UpdateLedger", "UpdateScaledOptimizer", "update_scaled"]
+
+
+@dataclass
+class UpdateLedger:
+    """What the SORL loss published since the last ``zero_grad``/``step`` of this process."""
+
+    inv_z: list[float] = field(default_factory=list)
+    z: list[float] = field(default_factory=list)
+    clip_bias_norm: list[float] = field(default_factory=list)
+    clip_bias_rel: list[float] = field(default_factory=list)
+    consumers: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, z: float, clip_bias_norm: float, clip_bias_rel: float) -> None:
+        """Publish one micro-batch's normalizer ``Z`` (its step-size share is ``1/Z``)."""
+        with self.lock:
+            self.inv_z.append(1.0 / z)
+            self.z.append(z)
+            self.clip_bias_norm.append(clip_bias_norm)
+            self.clip_bias_rel.append(clip_bias_rel)
+
+    def take(self) -> dict[str, list[float]]:
+        """Return and clear the records of the current step."""
+        with self.lock:
+            out = {"inv_z": self.inv_z, "z": self.z, "clip_bias_norm": self.clip_bias_norm}
+            out["clip_bias_rel"] = self.clip_bias_rel
+            self.inv_z, self.z, self.clip_bias_norm, self.clip_bias_rel = [], [], [], []
+        return out
+
+    def clear(self) -> None:
+        self.take()
+
+
+#: the process-wide ledger shared by the SORL losses and the update-scaled optimizers
+LEDGER = UpdateLedger()
+
+
+def _all_reduce_sum(values: list[float], params: list[torch.Tensor]) -> list[float]:
+    """Sum ``values`` over the data-parallel group (identity without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(data_parallel_group()) == 1:
+        return values
+    device = params[0].device if params else torch.device("cpu")
+    if getattr(params[0], "_local_tensor", None) is not None:
+        device = params[0]._local_tensor.device
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=data_parallel_group())
+    return t.tolist()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p._local_tensor if getattr(p, "_local_tensor", None) is not None else p
+
+
+class UpdateScaledOptimizer:
+    """Mixin for a torch optimizer: ``step`` runs with ``lr * s``, ``s`` from :data:`LEDGER`."""
+
+    def __init__(
+        self, params: Any, *args: Any, update_log: str | None = None, log_update_norm: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.update_log = update_log
+        self.log_update_norm = bool(log_update_norm)
+        self.num_steps = 0
+        #: the last step's record (scale, micro-batch Z values, update norm)
+        self.last_update: dict[str, Any] = {}
+        LEDGER.consumers += 1
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        LEDGER.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def step_factor(self, records: dict[str, list[float]]) -> float:
+        """``s = sum(1/Z_i) / count`` over this rank's micro-batches and the data-parallel group; 1 if none."""
+        total, count = _all_reduce_sum([math.fsum(records["inv_z"]), float(len(records["inv_z"]))], self._params())
+        return 1.0 if count == 0 else total / count
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        records = LEDGER.take()
+        scale = self.step_factor(records)
+        params = self._params() if self.log_update_norm else []
+        before = [_local(p).detach().clone() for p in params]
+        if scale == 1.0:
+            loss = super().step(closure)
+        else:
+            saved = [group["lr"] for group in self.param_groups]
+            for group in self.param_groups:
+                group["lr"] = group["lr"] * scale
+            try:
+                loss = super().step(closure)
+            finally:
+                for group, lr in zip(self.param_groups, saved, strict=True):
+                    group["lr"] = lr
+        self.num_steps += 1
+        record: dict[str, Any] = {"step": self.num_steps, "scale": scale, **records}
+        if params:
+            sq = math.fsum(
+                float((_local(p).double() - b.double()).square().sum()) for p, b in zip(params, before, strict=True)
+            )
+            record["update_norm"] = math.sqrt(_all_reduce_sum([sq], params)[0])
+        self.last_update = record
+        self._write(record)
+        return loss
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.update_log is None or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.update_log)), exist_ok=True)
+        with open(self.update_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "lr": self.param_groups[0]["lr"], **record}) + "\n")
+
+
+def update_scaled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` with :class:`UpdateScaledOptimizer`'s step; keeps the class name verl looks up."""
+    return type(cls.__name__, (UpdateScaledOptimizer, cls), {"__module__": __name__, "__doc__": cls.__doc__})
+
+
+AdamW = update_scaled(torch.optim.AdamW)
+Adam = update_scaled(torch.optim.Adam)
+SGD = update_scaled(torch.optim.SGD)
