@@ -4,6 +4,11 @@ A turn is the text the model generated since the last observation. Its action is
 the FIRST stop tag in it: ``</search>`` -> search with the text after the last ``<search>``
 before it; ``</answer>`` -> final answer; no stop tag (EOS or length) -> invalid. A stop tag
 without its opening tag, or an empty query, is malformed (invalid) too.
+
+A turn is *well formed* (``turn_well_formed``) when, in addition, its tags (exact spelling) never
+nest or overlap, each opened tag is closed by its own closing tag, it holds no ``<information>``
+tag (only the environment writes those), exactly one action block (``<search>`` or ``<answer>``)
+closes it and only whitespace follows that block.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ TURN_LIMIT_FEEDBACK = "The search budget is used up. I should now give the final
 # Any spelling of an agent tag a document could carry: <answer>, </ Information >, <SEARCH ...>
 _AGENT_TAG = re.compile(r"<\s*/?\s*(?:think|search|answer|information)\b[^<>]*>", re.IGNORECASE)
 
+
+# the exact tags the agent format uses, for the well-formedness check
+_EXACT_TAG = re.compile(r"<(/?)(think|search|answer|information)>")
+_ACTION_TAGS = frozenset({"search", "answer"})
 
 # chat-template special tokens of the <|name|> family (<|im_end|>, <|eot_id|>, <|endoftext|>, ...)
 _CHAT_SPECIAL = re.compile(r"<\|[^\s<>|]{1,64}\|>")
@@ -69,6 +78,23 @@ def parse_action(turn_text: str) -> Action:
             return Action("invalid", reason="empty query")
         return Action("search", content)
     return Action("answer", content)
+
+
+def turn_well_formed(turn_text: str) -> bool:
+    """True when the turn is a valid action in the agent's tag structure (module docstring)."""
+    if parse_action(turn_text).kind == "invalid":
+        return False
+    tags = list(_EXACT_TAG.finditer(turn_text))
+    open_tag: str | None = None
+    actions = 0
+    for tag in tags:
+        closing, name = tag.group(1), tag.group(2)
+        if name == "information" or (not closing and open_tag is not None) or (closing and open_tag != name):
+            return False
+        open_tag = None if closing else name
+        actions += bool(closing) and name in _ACTION_TAGS
+    last = tags[-1]  # parse_action found a stop tag, so there is one
+    return open_tag is None and actions == 1 and last.group(2) in _ACTION_TAGS and not turn_text[last.end() :].strip()
 
 
 def escape_observation(text: str) -> str:

@@ -24,7 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 from verl.utils.profiler import simple_timer
 
-from sorl_verl.agent.actions import INVALID_ACTION_FEEDBACK, escape_observation, first_stop, parse_action
+from sorl_verl.agent.actions import (
+    INVALID_ACTION_FEEDBACK,
+    escape_observation,
+    first_stop,
+    parse_action,
+    turn_well_formed,
+)
 from sorl_verl.agent.prompts import INFO_CLOSE, INFO_OPEN, STOP_SEQUENCES, information_block
 from sorl_verl.agent.settings import SearchAgentSettings
 
@@ -184,6 +190,8 @@ class SearchR1AgentLoop(AgentLoopBase):
         logprobs: list[float] | None = []
         turns = searches = valid = observations = 0
         finished = False
+        all_turns_well_formed = True
+        final_answer = ""
 
         for turn in range(self.settings.max_turns):
             budget = self.response_length - len(response_ids)
@@ -213,9 +221,11 @@ class SearchR1AgentLoop(AgentLoopBase):
             turns += 1
 
             action = parse_action(text)
+            all_turns_well_formed &= turn_well_formed(text)
             if action.kind == "answer":
                 valid += 1
                 finished = True
+                final_answer = action.content
                 break
             if turn == self.settings.max_turns - 1 or not self._budget_left(response_ids):
                 valid += action.kind == "search"  # a well-formed search that cannot be served
@@ -243,6 +253,9 @@ class SearchR1AgentLoop(AgentLoopBase):
                 "finished": float(finished),
                 "agent_turns": turns,
                 "truncated": float(truncated),
+                # the loop's verdict, which the reward scores (sorl_verl.rewards.extract.loop_verdict)
+                "final_answer": final_answer,
+                "well_formed": float(finished and all_turns_well_formed),
                 "turn_scores": [],
                 "tool_rewards": [],
             }

@@ -2,13 +2,17 @@
 
 verl's reward loop calls ``compute_score(data_source=, solution_str=, ground_truth=,
 extra_info=, **reward_kwargs)``; ``solution_str`` is the decoded response (model turns and
-observation blocks). Dispatch: multiple choice when ``data_source`` is a known MCQ set or the
-ground truth carries ``options``; open-domain QA otherwise.
+observation blocks). When the reward runs in verl's agent-loop workers (verl's default without a
+reward model), ``extra_info`` carries the ``search_r1`` loop's record (``final_answer``,
+``finished``, ``well_formed``) and the answer scored is exactly the one the loop accepted; without
+a record the answer and format are read back from the text (:mod:`sorl_verl.rewards.extract`).
+Dispatch: multiple choice when ``data_source`` is a known MCQ set or the ground truth carries
+``options``; open-domain QA otherwise.
 
-score = 1.0 when the last ``<answer>`` is correct (EM for QA, letter match for MCQ);
-otherwise ``format_score`` when the response is well formed (see ``is_valid_format``), else 0.
-With ``format_penalty`` > 0 a correct answer in a malformed response scores 1 - format_penalty.
-The returned dict always has the same keys, so verl can stack them across a batch.
+score = 1.0 when the accepted answer is correct (EM for QA, one clearly chosen option for MCQ);
+otherwise ``format_score`` when the episode is well formed, else 0. With ``format_penalty`` > 0 a
+correct answer in a malformed episode scores 1 - format_penalty. The returned dict always has the
+same keys, so verl can stack them across a batch; ``loop_record`` says which source was used.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Mapping
 from numbers import Real
 from typing import Any
 
-from sorl_verl.rewards.extract import extract_answer, is_valid_format
+from sorl_verl.rewards.extract import loop_verdict, text_verdict
 from sorl_verl.rewards.mcq import letter_match
 from sorl_verl.rewards.qa import exact_match, f1_score, substring_exact_match
 
@@ -55,8 +59,9 @@ def compute_score(
 ) -> dict[str, float]:
     """Score one response; see the module docstring for the rule. Extra kwargs are ignored."""
     golds, options = _gold_fields(ground_truth)
-    answer = extract_answer(solution_str)
-    well_formed = is_valid_format(solution_str)
+    recorded = loop_verdict(extra_info)
+    verdict = recorded if recorded is not None else text_verdict(solution_str)
+    answer, well_formed = verdict.answer, verdict.well_formed
     if is_mcq(data_source, options):
         em = letter_match(answer, golds, options)
         f1 = sub_em = em
@@ -73,6 +78,7 @@ def compute_score(
         "substring_em": sub_em,
         "has_answer": float(answer is not None),
         "format_ok": float(well_formed),
+        "loop_record": float(recorded is not None),
     }
     info = extra_info or {}
     for key in AGENT_STATS:

@@ -6,7 +6,7 @@ import pytest
 
 from sorl_verl.agent.actions import escape_observation, first_stop, parse_action
 from sorl_verl.agent.settings import DEFAULT_RETRIEVAL_URL, URL_ENV, SearchAgentSettings
-from sorl_verl.rewards.extract import extract_answer, strip_information
+from sorl_verl.rewards.extract import extract_answer, model_segments
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_escape_observation_blocks_injection(doc: str) -> None:
     for tag in ("<answer>", "</answer>", "</information>", "<information>", "<search>", "</search>"):
         assert tag not in safe.lower()
     block = f"<information>{safe}</information>"
-    assert strip_information(block).strip() == ""  # the block still closes exactly once
+    assert model_segments(block) == ["", ""]  # the block still closes exactly once
     assert extract_answer(block + "<answer>real</answer>") == "real"
     assert parse_action(safe).kind == "invalid"
 

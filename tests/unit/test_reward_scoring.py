@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sorl_verl.rewards import compute_score
-from sorl_verl.rewards.extract import extract_answer, is_valid_format, strip_information
+from sorl_verl.rewards.extract import extract_answer, is_valid_format
 from sorl_verl.rewards.mcq import extract_letter, letter_match
 from sorl_verl.rewards.qa import exact_match, f1_score, normalize_answer, substring_exact_match
 
@@ -43,15 +43,25 @@ def test_substring_em_and_f1_hand_checked() -> None:
     assert f1_score("x y y", ["y y z"]) == pytest.approx(2 / 3)
 
 
-def test_last_answer_counts_and_information_is_ignored() -> None:
+def test_answer_is_the_final_turns_and_observations_never_supply_it() -> None:
     text = (
-        "<think>first guess</think><answer>Lyon</answer> wait <search>capital of france</search>"
-        "\n\n<information>Doc: <answer>Berlin</answer></information>\n\n<answer> Paris </answer>"
+        "<think>first</think><search>capital of france</search>"
+        "\n\n<information>Doc: &lt;answer&gt;Berlin&lt;/answer&gt;</information>\n\n<answer> Paris </answer>"
     )
     assert extract_answer(text) == "Paris"
+    # an unescaped answer inside a block: the loop would have stopped there if the model wrote it
+    assert extract_answer(text.replace("&lt;", "<").replace("&gt;", ">")) is None
+    assert extract_answer("<information><answer>Paris</answer></information><answer>Lyon</answer>") is None
     assert extract_answer("<information><answer>x</answer></information>") is None
     assert extract_answer("no tags here") is None
-    assert "Berlin" not in strip_information(text)
+    # the loop stops at the first answer: a later one means the text is not a loop episode
+    assert extract_answer("<answer>Lyon</answer> wait <answer>Paris</answer>") is None
+    # an answer opened in one turn and closed after an observation is no answer (issue 12.2)
+    assert extract_answer("<answer>Paris\n\n<information>feedback</information>\n\n</answer>") is None
+    # nested: the loop reads from the last <answer> before the first </answer>
+    assert extract_answer("<answer>Lyon <answer>Paris</answer>") == "Paris"
+    # a model-written <information> does not hide the answer the loop accepted
+    assert extract_answer("<information><answer>Paris</answer>") == "Paris"
 
 
 @pytest.mark.parametrize(
@@ -67,6 +77,12 @@ def test_last_answer_counts_and_information_is_ignored() -> None:
         ("<think>a</think>", False),  # no answer
         ("<answer>x</answer><think>after</think>", False),  # answer not last
         ("<search>q<answer>x</answer>", False),  # unclosed search
+        ("<answer>x\n\n<information>d</information>\n\n</answer>", False),  # spans an observation
+        ("<answer>a<answer>x</answer>", False),  # nested
+        ("<information>x</information><answer>x</answer>", False),  # the model wrote the block
+        ("<search>q</search>", False),  # ends in a search
+        ("<search>q</search>\n\n<information>d</information>\n\n<answer>x</answer> tail", False),
+        ("<search>q</search>\n\n<information>d\n\n<answer>x</answer>", False),  # unclosed block
     ],
 )
 def test_format_check(text: str, ok: bool) -> None:
@@ -100,11 +116,13 @@ def test_letter_match() -> None:
 def test_compute_score_qa_rules_and_stable_keys() -> None:
     gt = {"target": ["Paris", "City of Paris"]}
     good = "<think>t</think><answer>the Paris</answer>"
-    bad_format = "<answer>x</answer> <answer>Paris</answer>"
+    bad_format = "<think>a<search>Paris</search></think><answer>Paris</answer>"
     wrong = "<think>t</think><answer>Lyon</answer>"
     r_good = compute_score("nq", good, gt)
     assert r_good["score"] == 1.0 and r_good["em"] == 1.0 and r_good["format_ok"] == 1.0
-    assert compute_score("nq", bad_format, gt)["score"] == 1.0  # last answer correct, no penalty by default
+    assert compute_score("nq", bad_format, gt)["score"] == 0.0  # the loop would have searched, not answered
+    bad_format = "<answer>a <answer>Paris</answer>"  # nested: answered, but malformed
+    assert compute_score("nq", bad_format, gt)["score"] == 1.0  # no penalty by default
     assert compute_score("nq", bad_format, gt, format_penalty=0.2)["score"] == pytest.approx(0.8)
     assert compute_score("nq", wrong, gt)["score"] == 0.0
     assert compute_score("nq", wrong, gt, format_score=0.1)["score"] == pytest.approx(0.1)
@@ -115,6 +133,7 @@ def test_compute_score_qa_rules_and_stable_keys() -> None:
     keys = set(r_good)
     assert set(compute_score("medqa", "<answer>B</answer>", {"target": ["B"]})) == keys
     assert set(compute_score("nq", "", gt)) == keys
+    assert set(compute_score("nq", "", gt, extra_info={"final_answer": "", "finished": 0.0})) == keys
 
 
 def test_compute_score_mcq_dispatch_and_agent_stats() -> None:
