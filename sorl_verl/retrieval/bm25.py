@@ -6,7 +6,7 @@ Scores are bm25s' ``method="lucene"``: for query term t and document d,
     idf(t) = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5)),
 
 and a query scores the sum over its terms (a repeated query term counts again). The scores are
-precomputed per (term, document) and saved in bm25s' layout (``data/indices/indptr.csc.index.npy``,
+precomputed per (term, document) (:mod:`.bm25_build`, in bounded memory) and saved in bm25s' layout (``data/indices/indptr.csc.index.npy``,
 ``vocab.index.json``, ``params.index.json``), so ``bm25s.BM25.load(index_dir)`` reads the same
 index. Retrieval is exact top-k with MaxScore pruning (see :class:`BM25Scorer`), or a sparse
 query-term x term-document product (scipy) for a whole batch.
@@ -15,11 +15,9 @@ query-term x term-document product (scipy) for a whole batch.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import threading
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,135 +46,6 @@ def bm25_params(**overrides: Any) -> dict[str, Any]:
     if not params["k1"] >= 0 or not 0 <= params["b"] <= 1:
         raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={params['k1']} b={params['b']}")
     return params
-
-
-_WORKER_ANALYZERS: dict[tuple[Any, Any], Analyzer] = {}
-
-
-def analyze_chunk(
-    texts: list[str], stopwords: str | None, stemmer: str | None
-) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """Term statistics of a chunk of documents, with chunk-local term ids.
-
-    Returns ``(stems, lengths, keys, tf)``: ``stems[i]`` is local term i (in order of first
-    appearance), ``lengths[d]`` the number of terms of document d, and one entry per distinct
-    (document, term) pair with ``keys = d << 32 | term`` (sorted) and its count ``tf``.
-    """
-    analyzer = _WORKER_ANALYZERS.get((stopwords, stemmer))
-    if analyzer is None:
-        analyzer = _WORKER_ANALYZERS[(stopwords, stemmer)] = Analyzer(stopwords, stemmer)
-    local: dict[str, int] = {}
-    rows = analyzer.ids_growing(texts, local)
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    flat = np.fromiter((t for row in rows for t in row), dtype=np.int64, count=int(lengths.sum()))
-    local_doc = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-    keys, tf = np.unique((local_doc << 32) | flat, return_counts=True)
-    return list(local), lengths, keys, tf
-
-
-class BM25Builder:
-    """Accumulates documents chunk by chunk, then writes the score matrix (memory ~ 12 B/posting).
-
-    With ``workers > 1`` the text analysis of chunks runs in that many processes; chunks are
-    merged in corpus order, so the index is byte-identical to a single-process build.
-    """
-
-    def __init__(self, params: dict[str, Any], chunk_docs: int = 20_000, workers: int = 1) -> None:
-        self.params = params
-        self.vocab: dict[str, int] = {}
-        self.chunk_docs = chunk_docs
-        self._pending: list[str] = []
-        self._docs: list[np.ndarray] = []
-        self._terms: list[np.ndarray] = []
-        self._tfs: list[np.ndarray] = []
-        self._lengths: list[np.ndarray] = []
-        self.num_docs = 0
-        self.workers = max(1, int(workers))
-        self._pool: ProcessPoolExecutor | None = None
-        self._in_flight: deque[Future[Any]] = deque()
-        if self.workers > 1:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-
-    def add(self, contents: str) -> None:
-        self._pending.append(contents)
-        if len(self._pending) >= self.chunk_docs:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        args = (self._pending, self.params["stopwords"], self.params["stemmer"])
-        self._pending = []
-        if self._pool is None:
-            self._absorb(*analyze_chunk(*args))
-            return
-        self._in_flight.append(self._pool.submit(analyze_chunk, *args))
-        while len(self._in_flight) > 2 * self.workers:
-            self._absorb(*self._in_flight.popleft().result())
-
-    def _drain(self) -> None:
-        while self._in_flight:
-            self._absorb(*self._in_flight.popleft().result())
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-    def _absorb(self, stems: list[str], lengths: np.ndarray, keys: np.ndarray, tf: np.ndarray) -> None:
-        vocab = self.vocab
-        remap = np.fromiter((vocab.setdefault(s, len(vocab)) for s in stems), dtype=np.int32, count=len(stems))
-        self._docs.append(((keys >> 32) + self.num_docs).astype(np.int32))
-        self._terms.append(remap[keys & 0xFFFFFFFF])
-        self._tfs.append(tf.astype(np.float32))
-        self._lengths.append(lengths.astype(np.float32))
-        self.num_docs += len(lengths)
-
-    def save(self, out_dir: Path) -> None:
-        try:
-            self._flush()
-            self._drain()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(cancel_futures=True)
-        n, vocab_size = self.num_docs, len(self.vocab)
-        docs = np.concatenate(self._docs) if self._docs else np.zeros(0, np.int32)
-        terms = np.concatenate(self._terms) if self._terms else np.zeros(0, np.int32)
-        tf = np.concatenate(self._tfs) if self._tfs else np.zeros(0, np.float32)
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.float32)
-        self._docs, self._terms, self._tfs, self._lengths = [], [], [], []
-        k1, b = float(self.params["k1"]), float(self.params["b"])
-        df = np.bincount(terms, minlength=vocab_size).astype(np.float64)
-        idf = np.log1p((n - df + 0.5) / (df + 0.5)).astype(np.float32)
-        avgdl = float(lengths.mean()) if n and lengths.sum() > 0 else 1.0
-        norm = (k1 * (1.0 - b + b * lengths / avgdl)).astype(np.float32)
-        scores = idf[terms] * tf / (tf + norm[docs])
-        del tf
-        order = np.argsort(terms, kind="stable")  # docs are already ascending within a term
-        np.save(out_dir / DATA_FILE, scores[order].astype(np.float32))
-        del scores
-        np.save(out_dir / INDICES_FILE, docs[order])
-        del docs, order
-        indptr = np.zeros(vocab_size + 1, dtype=np.int64)
-        np.cumsum(df.astype(np.int64), out=indptr[1:])
-        np.save(out_dir / INDPTR_FILE, indptr)
-        (out_dir / VOCAB_FILE).write_text(json.dumps(self.vocab, ensure_ascii=False), encoding="utf-8")
-        bm25s_params = {
-            "k1": k1, "b": b, "delta": 0.5, "method": "lucene", "idf_method": "lucene",
-            "dtype": "float32", "int_dtype": "int32", "num_docs": n, "backend": "numpy",
-        }  # fmt: skip
-        (out_dir / PARAMS_FILE).write_text(json.dumps(bm25s_params, indent=2), encoding="utf-8")
-
-
-def build_bm25(texts: Iterable[str], out_dir: Path, params: dict[str, Any], workers: int = 1) -> int:
-    """Index ``texts`` (in document order) into ``out_dir``; returns the number of documents."""
-    builder = BM25Builder(params, workers=workers)
-    try:
-        for text in texts:
-            builder.add(text)
-        builder.save(out_dir)
-    finally:
-        if builder._pool is not None:
-            builder._pool.shutdown(cancel_futures=True)
-    return builder.num_docs
 
 
 class ScratchPool:

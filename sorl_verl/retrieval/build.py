@@ -15,6 +15,7 @@ import datetime as dt
 import hashlib
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from . import bm25
-from .corpus import DOCS_FILE, OFFSETS_FILE, DocWriter, iter_corpus
+from . import bm25, bm25_build
+from .corpus import DOCS_FILE, OFFSETS_FILE, CorpusFormatError, DocWriter, iter_corpus
 from .manifest import FORMAT_VERSION, METHODS, write_manifest
 
 
@@ -44,6 +45,7 @@ def build_index(
     overwrite: bool = False,
     show_progress: bool = True,
     workers: int = 1,
+    memory_mb: float | None = None,
     **params: Any,
 ) -> Path:
     """Index ``corpus_path`` into ``out_dir`` with ``method`` (``bm25`` or ``dense``).
@@ -53,6 +55,8 @@ def build_index(
     ("query: "), ``passage_prefix`` ("passage: "), ``batch_size`` (64), ``device`` (None = auto),
     ``max_seq_length`` (None = the model's), ``prebuilt_index`` (adopt an existing faiss index).
     ``workers``: BM25 text analysis in that many processes (same index, faster on many cores).
+    ``memory_mb``: BM25 postings budget (default 1/8 of RAM within [256 MB, 4 GB]); postings
+    beyond it go to sorted runs on disk, merged at the end, with byte-identical output.
     Returns ``out_dir``. Raises ``FileExistsError`` if it exists and ``overwrite`` is False.
     """
     if method not in METHODS:
@@ -85,7 +89,13 @@ def build_index(
                     yield doc["contents"]
 
             if method == "bm25":
-                num_docs = bm25.build_bm25(texts(), tmp, params, workers=workers)
+
+                def merge_bar(total: int, desc: str) -> Any:
+                    return tqdm(total=total, unit="posting", unit_scale=True, desc=desc, disable=not show_progress)
+
+                num_docs = bm25_build.build_bm25(
+                    texts(), tmp, params, workers=workers, memory_mb=memory_mb, progress_factory=merge_bar
+                )
                 files = [DOCS_FILE, OFFSETS_FILE, *bm25.BM25_FILES]
             else:
                 num_docs = dense.build_dense(texts(), tmp, params, show_progress=show_progress)
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--workers", type=int, default=1, help="bm25: processes for text analysis (default 1)")
+    p.add_argument("--memory-mb", type=float, help="bm25: postings held in memory before spilling sorted runs to disk "
+                   f"(default {bm25_build.default_memory_mb()} here: 1/8 of RAM within [256, 4096])")  # fmt: skip
     g = p.add_argument_group("bm25")
     g.add_argument("--k1", type=float)
     g.add_argument("--b", type=float)
@@ -148,9 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     for n in ("stopwords", "stemmer"):
         if params.get(n) == "none":
             params[n] = None
-    out = build_index(
-        a.corpus, a.out, a.method, overwrite=a.overwrite, show_progress=not a.no_progress, workers=a.workers, **params
-    )
+    try:
+        out = build_index(
+            a.corpus, a.out, a.method, overwrite=a.overwrite, show_progress=not a.no_progress, workers=a.workers,
+            memory_mb=a.memory_mb, **params,
+        )  # fmt: skip
+    except (CorpusFormatError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
     print(f"index written to {out}")
 
 

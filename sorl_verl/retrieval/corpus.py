@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,27 +26,38 @@ class CorpusFormatError(ValueError):
     """A corpus line is not a JSON object with ``contents`` (or ``title`` and ``text``)."""
 
 
-def normalize_doc(row: dict[str, Any], line_no: int) -> dict[str, str]:
-    """``{"id": str, "contents": str}`` from a corpus row; the id defaults to the line number."""
+def normalize_doc(row: dict[str, Any], line_no: int, where: str | None = None) -> dict[str, str]:
+    """``{"id": str, "contents": str}`` from a corpus row; the id defaults to the 0-based line index.
+
+    Errors name ``where`` (default ``corpus line <line_no + 1>``, 1-based as editors count).
+    """
+    where = where or f"corpus line {line_no + 1}"
     if "contents" in row:
         contents = row["contents"]
     elif "text" in row:
         title = row.get("title")
         contents = f'"{title}"\n{row["text"]}' if title else row["text"]
     else:
-        raise CorpusFormatError(
-            f"corpus line {line_no}: needs 'contents' (or 'title' and 'text'), got keys {sorted(row)}"
-        )
+        raise CorpusFormatError(f"{where}: needs 'contents' (or 'title' and 'text'), got keys {sorted(row)}")
     if not isinstance(contents, str):
-        raise CorpusFormatError(f"corpus line {line_no}: 'contents' must be a string")
-    doc_id = row.get("id", row.get("_id", line_no))
-    return {"id": str(doc_id), "contents": contents}
+        raise CorpusFormatError(f"{where}: 'contents' must be a string")
+    doc_id = str(row.get("id", row.get("_id", line_no)))
+    for name, value in (("contents", contents), ("id", doc_id)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CorpusFormatError(
+                f"{where}: '{name}' has a lone surrogate (an unpaired \\u{ord(value[e.start]):04x} escape) "
+                f"at character {e.start}; fix or drop that line"
+            ) from e
+    return {"id": doc_id, "contents": contents}
 
 
 def iter_corpus(path: str | Path, digest: Any | None = None, progress: Any | None = None) -> Iterator[dict[str, str]]:
     """Normalized documents of a JSON-lines corpus; feeds raw bytes to ``digest`` and ``progress``."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f):
+            where = f"{path} line {line_no + 1}"
             if digest is not None:
                 digest.update(raw)
             if progress is not None:
@@ -54,11 +66,13 @@ def iter_corpus(path: str | Path, digest: Any | None = None, progress: Any | Non
                 continue
             try:
                 row = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise CorpusFormatError(f"corpus line {line_no}: invalid JSON ({e})") from e
+            except RecursionError as e:
+                raise CorpusFormatError(f"{where}: invalid JSON (nested too deeply)") from e
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (not UTF-8), an over-long integer
+                raise CorpusFormatError(f"{where}: invalid JSON ({str(e)[:200]})") from e
             if not isinstance(row, dict):
-                raise CorpusFormatError(f"corpus line {line_no}: expected a JSON object")
-            yield normalize_doc(row, line_no)
+                raise CorpusFormatError(f"{where}: expected a JSON object")
+            yield normalize_doc(row, line_no, where)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -75,7 +89,7 @@ class DocWriter:
     def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
         self._f = open(out_dir / DOCS_FILE, "wb")  # noqa: SIM115 - closed in close()
-        self._offsets = [0]
+        self._offsets = array("q", [0])  # 8 bytes per document (a list of ints would take ~36)
 
     def add(self, doc: dict[str, str]) -> None:
         line = json.dumps(doc, ensure_ascii=False).encode("utf-8") + b"\n"
@@ -87,7 +101,7 @@ class DocWriter:
 
     def close(self) -> None:
         self._f.close()
-        np.save(self.out_dir / OFFSETS_FILE, np.asarray(self._offsets, dtype=np.int64))
+        np.save(self.out_dir / OFFSETS_FILE, np.frombuffer(self._offsets, dtype=np.int64))
 
 
 class DocStore:

@@ -161,7 +161,7 @@ def test_corpus_variants_and_errors(tmp_path: Path) -> None:
     assert hit["contents"] == '"Ada Lovelace"\nwrote the first program' and hit["id"] == "0"
     assert s.search(["plain"], 1)[0][0]["id"] == "2"  # default id: line number
     p.write_text(json.dumps({"contents": "ok"}) + "\n{broken\n")
-    with pytest.raises(CorpusFormatError, match="line 1"):
+    with pytest.raises(CorpusFormatError, match=r"c.*\.jsonl line 2: invalid JSON"):
         build_index(p, tmp_path / "k", show_progress=False)
     p.write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(CorpusFormatError, match="contents"):
@@ -215,14 +215,15 @@ def test_maxscore_pruning_equals_exhaustive_scoring(corpus: tuple[list[str], Pat
 
 
 def test_parallel_build_is_byte_identical(corpus: tuple[list[str], Path, Path], tmp_path: Path) -> None:
-    from sorl_verl.retrieval.bm25 import BM25_FILES, BM25Builder, bm25_params
+    from sorl_verl.retrieval.bm25 import BM25_FILES, bm25_params
+    from sorl_verl.retrieval.bm25_build import BM25Builder
 
     docs, _, _ = corpus
     outs = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         out.mkdir()
-        builder = BM25Builder(bm25_params(), chunk_docs=37, workers=workers)  # many chunks, merged in order
+        builder = BM25Builder(bm25_params(), out, chunk_docs=37, workers=workers)  # many chunks, merged in order
         for d in docs:
             builder.add(d)
         builder.save(out)
