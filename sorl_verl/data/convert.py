@@ -8,7 +8,9 @@ Open-domain QA (``nq triviaqa popqa hotpotqa 2wikimultihopqa musique bamboogle``
 row has, in this order: ``golden_answers`` (FlashRAG / Search-R1), ``answers``, ``answer`` (a
 string, a list, or TriviaQA's ``{"value", "aliases"}``), ``answer_aliases`` (Musique),
 ``possible_answers`` (PopQA; a list or its JSON string), ``Answer`` (Bamboogle CSV export).
-Musique rows with ``answerable: false`` are bad rows.
+Musique rows with ``answerable: false`` are bad rows. A gold that normalizes to the empty string
+(``"A"``, ``"The"``, ``"?"``: the reward never matches it) is dropped, counted and reported; a row
+left without a usable gold is a bad row.
 
 Multiple choice: ``medqa`` rows have ``options`` (a dict letter -> text, or a list of
 ``{"key", "value"}``) and ``answer_idx`` (the letter); ``medmcqa`` rows have ``opa..opd`` and
@@ -22,12 +24,14 @@ A bad row raises :class:`BadRowError` naming the file and line (row for parquet)
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sorl_verl.data.records import AGENT_NAME, mcq_record, qa_record
+from sorl_verl.rewards.qa import normalize_answer
 
 QA_DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 MCQ_DATASETS = ("medqa", "medmcqa")
@@ -44,11 +48,24 @@ class ConvertReport:
     written: int = 0
     skipped: int = 0
     first_errors: list[str] = field(default_factory=list)
+    #: golds dropped because they normalize to the empty string, and where the first ones were
+    empty_golds: int = 0
+    first_empty_golds: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"written {self.written} rows, skipped {self.skipped} bad rows"]
         lines += [f"  {e}" for e in self.first_errors]
         return "\n".join(lines)
+
+    def warnings(self) -> list[str]:
+        """Human-readable warnings (empty golds), empty when there is nothing to say."""
+        if not self.empty_golds:
+            return []
+        where = "; ".join(self.first_empty_golds)
+        return [
+            f"warning: dropped {self.empty_golds} gold answer(s) that normalize to the empty string and could "
+            f"never match (first: {where})"
+        ]
 
 
 # --- reading -----------------------------------------------------------------------------
@@ -165,6 +182,19 @@ def qa_answers(row: dict[str, Any]) -> list[str]:
     return unique
 
 
+def _usable_golds(golds: list[str], location: str, report: ConvertReport) -> list[str]:
+    """``golds`` without those that normalize to the empty string (counted in ``report``)."""
+    usable = [g for g in golds if normalize_answer(g)]
+    for gold in golds:
+        if not normalize_answer(gold):
+            report.empty_golds += 1
+            if len(report.first_empty_golds) < 5:
+                report.first_empty_golds.append(f"{gold!r} at {location}")
+    if not usable:
+        raise ValueError(f"every gold answer normalizes to the empty string: {golds!r}")
+    return usable
+
+
 def medqa_fields(row: dict[str, Any], cop_base: int | None) -> tuple[dict[str, str], str]:
     options = row.get("options")
     if isinstance(options, list | tuple):
@@ -260,7 +290,8 @@ def convert_rows(
             index = len(records)
             question = _question(row)
             if mcq_fields is None:
-                records.append(qa_record(question, qa_answers(row), source, split, index, extra, agent_name))
+                golds = _usable_golds(qa_answers(row), location, report)
+                records.append(qa_record(question, golds, source, split, index, extra, agent_name))
             else:
                 options, letter = mcq_fields(row, base)
                 records.append(mcq_record(question, options, letter, source, split, index, extra, agent_name))
@@ -329,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (BadRowError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
+    for warning in report.warnings():
+        print(warning, file=sys.stderr)
     print(f"{args.output}: {report}")
 
 

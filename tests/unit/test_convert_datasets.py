@@ -97,7 +97,7 @@ def test_medmcqa_ambiguous_cop_needs_flag(tmp_path: Path) -> None:
 
 
 def test_bad_rows_name_file_and_line_or_are_skipped(tmp_path: Path) -> None:
-    good = {"question": "q?", "golden_answers": ["a"]}
+    good = {"question": "q?", "golden_answers": ["x"]}
     path = write_jsonl(
         tmp_path / "nq.jsonl",
         [good, {"question": "no answer"}, good],
@@ -113,6 +113,28 @@ def test_bad_rows_name_file_and_line_or_are_skipped(tmp_path: Path) -> None:
     musique = write_jsonl(tmp_path / "mu.jsonl", [{"question": "q?", "answer": "x", "answerable": False}])
     with pytest.raises(BadRowError, match="line 1: unanswerable"):
         convert_rows("musique", musique)
+
+
+def test_golds_that_normalize_to_empty_are_dropped_counted_and_reported(tmp_path: Path) -> None:
+    rows = [
+        {"question": "q1?", "golden_answers": ["A", "Paris", "The"]},
+        {"question": "q2?", "golden_answers": ["?"]},
+        {"question": "q3?", "answer": "Ost"},
+    ]
+    path = write_jsonl(tmp_path / "nq.jsonl", rows)
+    with pytest.raises(BadRowError, match=r"nq\.jsonl:line 2: every gold answer normalizes to the empty string"):
+        convert_rows("nq", path)
+    report = ConvertReport()
+    recs = convert_rows("nq", path, skip_bad=True, report=report)
+    assert [r["reward_model"]["ground_truth"]["target"] for r in recs] == [["Paris"], ["Ost"]]
+    assert (report.empty_golds, report.skipped) == (3, 1)
+    (warning,) = report.warnings()
+    assert "dropped 3 gold answer(s)" in warning and "'A' at " in warning and "nq.jsonl:line 1" in warning
+    assert ConvertReport().warnings() == []
+    out = tmp_path / "nq.parquet"
+    cmd = [sys.executable, "-m", "sorl_verl.data.convert", "--dataset", "nq", "--input", str(path)]
+    done = subprocess.run([*cmd, "--output", str(out), "--skip-bad"], capture_output=True, text=True)
+    assert done.returncode == 0 and "dropped 3 gold answer(s)" in done.stderr
 
 
 def test_parquet_and_json_list_inputs_roundtrip_to_verl_parquet(tmp_path: Path) -> None:
@@ -150,7 +172,7 @@ def test_mcq_parquet_rows_score_after_roundtrip(tmp_path: Path) -> None:
 
 
 def test_cli(tmp_path: Path) -> None:
-    src = write_jsonl(tmp_path / "b.jsonl", [{"Question": "q?", "Answer": "a"}], raw_lines=["[1]"])
+    src = write_jsonl(tmp_path / "b.jsonl", [{"Question": "q?", "Answer": "ok"}], raw_lines=["[1]"])
     out = tmp_path / "b.parquet"
     cmd = [
         sys.executable,
@@ -192,6 +214,6 @@ def test_original_release_formats_csv_tsv_triviaqa_json(tmp_path: Path) -> None:
     (tq,) = convert_rows("triviaqa", tmp_path / "trivia.json")
     assert tq["reward_model"]["ground_truth"]["target"] == ["Paris", "Paree"] and tq["extra_info"]["id"] == "tq1"
     assert [r["extra_info"]["question"] for r in convert_rows("nq", tmp_path / "lines.json")] == ["a?", "c?"]
-    (tmp_path / "bad.csv").write_text("Question,Answer\nq1?,a\nq2?,\n")
+    (tmp_path / "bad.csv").write_text("Question,Answer\nq1?,ok\nq2?,\n")
     with pytest.raises(BadRowError, match=r"bad\.csv:line 3: no gold answer"):
         convert_rows("bamboogle", tmp_path / "bad.csv")

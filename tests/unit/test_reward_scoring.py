@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sorl_verl.rewards import compute_score
 from sorl_verl.rewards.extract import extract_answer, is_valid_format
@@ -28,6 +30,28 @@ def test_exact_match_any_gold_and_case_punct_articles() -> None:
     assert exact_match("the paris.", ["Lyon", "Paris"]) == 1.0
     assert exact_match("Paris, France", ["Paris"]) == 0.0
     assert exact_match("paris", "Paris") == 1.0
+
+
+# golds that normalize to "": articles, punctuation, whitespace, in any case
+empty_gold = st.lists(st.sampled_from(["A", "an", "THE", "?", ".", " ", "!!", "-", "\t"]), min_size=1, max_size=4).map(
+    " ".join
+)
+
+
+@given(prediction=st.text(max_size=20) | empty_gold, golds=st.lists(empty_gold, min_size=1, max_size=3))
+def test_a_gold_that_normalizes_to_empty_never_matches(prediction: str, golds: list[str]) -> None:
+    assert all(normalize_answer(g) == "" for g in golds)
+    assert (exact_match(prediction, golds), substring_exact_match(prediction, golds), f1_score(prediction, golds)) == (
+        0.0,
+        0.0,
+        0.0,
+    )
+    assert compute_score("nq", f"<answer>{prediction}</answer>", {"target": golds})["score"] == 0.0
+
+
+def test_empty_golds_do_not_block_the_real_gold() -> None:
+    assert exact_match("", ["A", "The"]) == 0.0 and exact_match(".", "?") == 0.0
+    assert exact_match("the Paris", ["A", "Paris"]) == 1.0 and f1_score("Paris", ["The", "Paris"]) == 1.0
 
 
 def test_substring_em_and_f1_hand_checked() -> None:
