@@ -166,8 +166,8 @@ def sorl_policy_loss(
             pg_loss = pg_loss / z.to(pg_loss.dtype)
     else:  # no policy token: a zero loss that still reaches the graph, never 0/0
         pg_loss = torch.where(mask, log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)).sum() * 0
-    if active and at_update and torch.is_grad_enabled() and log_prob.requires_grad:
-        _publish_to_optimizer(float(z), float(norm), float(rel))
+    if torch.is_grad_enabled() and log_prob.requires_grad:
+        _publish_to_optimizer(float(z), float(norm), float(rel), acts_on_update=active and at_update)
 
     with torch.no_grad():
         if turn_level:
@@ -190,15 +190,18 @@ def sorl_policy_loss(
     return pg_loss, dict(zip(stats, values, strict=True))
 
 
-def _publish_to_optimizer(z: float, norm: float, rel: float) -> None:
-    """Hand ``1/Z`` of this micro-batch to the update-scaled optimizer of this process."""
+def _publish_to_optimizer(z: float, norm: float, rel: float, acts_on_update: bool) -> None:
+    """Hand this micro-batch's step share (``1/Z`` if the normalizer acts on the update, else 1)
+    and its normalizer statistics to the update-scaled optimizer of this process, if there is one."""
     if LEDGER.consumers == 0:
+        if not acts_on_update:
+            return
         raise RuntimeError(
             "sorl_verl: actor_rollout_ref.actor.policy_loss.clip_norm_apply=update needs the SORL optimizer "
             "in the actor worker: set actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim "
             "(recipe/sorl/config/sorl_trainer.yaml does), or use clip_norm_apply=loss"
         )
-    LEDGER.record(z, norm, rel)
+    LEDGER.record(1.0 / z if acts_on_update else 1.0, z, norm, rel)
 
 
 def compute_policy_loss_turn_ppo(

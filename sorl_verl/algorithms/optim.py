@@ -54,10 +54,11 @@ class UpdateLedger:
     consumers: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, z: float, clip_bias_norm: float, clip_bias_rel: float) -> None:
-        """Publish one micro-batch's normalizer ``Z`` (its step-size share is ``1/Z``)."""
+    def record(self, step_share: float, z: float, clip_bias_norm: float, clip_bias_rel: float) -> None:
+        """Publish one micro-batch: its share of the step factor (``1/Z`` when the normalizer acts
+        on the update, else 1) and, for the record, its ``Z``, ``||C||`` and ``rho``."""
         with self.lock:
-            self.inv_z.append(1.0 / z)
+            self.inv_z.append(step_share)
             self.z.append(z)
             self.clip_bias_norm.append(clip_bias_norm)
             self.clip_bias_rel.append(clip_bias_rel)

@@ -377,6 +377,7 @@ def test_update_mode_leaves_the_loss_alone_and_publishes_one_over_z(name, turn_l
     loss, grad, metrics = loss_and_grad(
         get_policy_loss_fn(name), old, new, adv, mask, config=actor_config(clip_norm_apply="update", **knobs)
     )
+    records = optim.LEDGER.take()
     ref_loss, ref_grad, _ = loss_and_grad(
         get_policy_loss_fn(name), old, new, adv, mask, config=actor_config(clip_norm_mode="none")
     )
@@ -388,7 +389,6 @@ def test_update_mode_leaves_the_loss_alone_and_publishes_one_over_z(name, turn_l
     assert metrics["sorl/norm_factor"] == pytest.approx(z, rel=1e-5)
     assert metrics["sorl/update_scale"] == pytest.approx(1 / z, rel=1e-5) and metrics["sorl/loss_scale"] == 1.0
     assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
-    records = optim.LEDGER.take()
     assert records["z"] == [pytest.approx(z, rel=1e-5)] and records["inv_z"] == [pytest.approx(1 / z, rel=1e-5)]
     assert records["clip_bias_norm"] == [pytest.approx(norm, rel=1e-5)]
 
@@ -396,29 +396,35 @@ def test_update_mode_leaves_the_loss_alone_and_publishes_one_over_z(name, turn_l
 def test_loss_mode_reports_its_scale_at_the_loss():
     mask = ragged_mask(seed=7)
     old, new, adv = batch(mask, spread=1.5)
-    _, _, metrics = loss_and_grad(
-        get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=actor_config(clip_norm_tau=0.5)
-    )
+    config = actor_config(clip_norm_tau=0.5)
+    _, _, metrics = loss_and_grad(get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=config)
     assert metrics["sorl/norm_factor"] > 1.0 and metrics["sorl/update_scale"] == 1.0
     assert metrics["sorl/loss_scale"] == pytest.approx(1 / metrics["sorl/norm_factor"])
-    assert optim.LEDGER.take()["z"] == []
+    records = optim.LEDGER.take()  # recorded for the update log, with step share 1
+    assert records["inv_z"] == [1.0] and records["z"] == [pytest.approx(metrics["sorl/norm_factor"])]
 
 
-def test_update_mode_publishes_nothing_without_gradients_or_normalization():
+def test_only_a_normalizing_update_mode_loss_with_gradients_shrinks_the_step():
     mask = ragged_mask(seed=7)
     old, new, adv = batch(mask, spread=1.5)
     config = actor_config(clip_norm_apply="update", clip_norm_tau=0.5)
-    with torch.no_grad():
+    with torch.no_grad():  # e.g. a metrics-only forward: nothing published
         get_policy_loss_fn("so_grpo")(old, new, adv, mask, "token-mean", config, None)
+    assert optim.LEDGER.take()["z"] == []
     loss_and_grad(get_policy_loss_fn("turn_ppo"), old, new, adv, mask, config=config)  # turn_ppo: Z = 1 always
-    loss_and_grad(
-        get_policy_loss_fn("so_grpo"),
-        old,
-        new,
-        adv,
-        mask,
-        config=actor_config(clip_norm_apply="update", clip_norm_mode="none"),
-    )
+    none = actor_config(clip_norm_apply="update", clip_norm_mode="none")
+    loss_and_grad(get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=none)
+    records = optim.LEDGER.take()
+    assert records["inv_z"] == [1.0, 1.0] and records["z"] == [1.0, 1.0]
+    assert records["clip_bias_norm"][0] > 0  # ||C|| is recorded even when it does not act
+
+
+def test_without_the_sorl_optimizer_only_update_mode_fails(monkeypatch):
+    monkeypatch.setattr(optim.LEDGER, "consumers", 0)
+    mask = ragged_mask(seed=7)
+    old, new, adv = batch(mask, spread=1.5)
+    loss_and_grad(get_policy_loss_fn("so_grpo"), old, new, adv, mask, config=actor_config(clip_norm_tau=0.5))
+    loss_and_grad(get_policy_loss_fn("turn_ppo"), old, new, adv, mask, config=actor_config(clip_norm_apply="update"))
     assert optim.LEDGER.take()["z"] == []
 
 

@@ -42,7 +42,7 @@ def run(opt: torch.optim.Optimizer, model: torch.nn.Module, grads: list[torch.Te
     for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g.clone()
     for value in z:
-        optim.LEDGER.record(value, 0.0, 0.0)
+        optim.LEDGER.record(1.0 / value, value, 0.0, 0.0)
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
@@ -106,7 +106,7 @@ def test_zero_grad_drops_records_of_a_skipped_step():
     not shrink the next step."""
     model, grads = model_and_grads(seed=3)
     opt = optim.AdamW(model.parameters(), lr=1e-3)
-    optim.LEDGER.record(4.0, 0.0, 0.0)
+    optim.LEDGER.record(0.25, 4.0, 0.0, 0.0)
     opt.zero_grad()  # the skipped step
     run(opt, model, grads[0], z=[])
     assert opt.last_update["scale"] == 1.0
