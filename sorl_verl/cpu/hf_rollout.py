@@ -16,6 +16,10 @@ Three parts, mirroring verl's vLLM replica:
   ``update_weights(per_tensor_param)``; the replica's leader rank ships the tensors to its server
   in buckets through Ray's object store, the other ranks drain the generator (it may all-gather).
 
+Seeds: a request whose ``sampling_params`` carry ``seed`` samples from a generator seeded with
+``turn_seed(seed, len(prompt_ids))`` (an agent loop resends its episode's seed every turn, with a
+longer prompt each time); without one, from ``rollout.seed + replica rank`` and the request count.
+
 Budget per request as vLLM's server: ``max_tokens`` (or ``max_new_tokens``) if given, else
 ``min(response_length, prompt_length + response_length - len(prompt))``; always clamped to
 ``[1, max_model_len - len(prompt)]`` (``max_model_len`` defaults to the model's
@@ -41,6 +45,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutpu
 from verl.workers.rollout.utils import ensure_async_iterator, get_max_position_embeddings
 
 from sorl_verl.cpu.hf_engine import HFGenerationEngine, SamplingOptions, default_eos_token_ids
+from sorl_verl.trainer.reproducible import turn_seed
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +182,8 @@ class HFServer:
         want_logprobs = bool(params.pop("logprobs", False))
         params.setdefault("repetition_penalty", self.config.repetition_penalty)
         params.setdefault("ignore_eos", self.config.ignore_eos)
-        if self.config.full_determinism:
-            params.setdefault("seed", self.replica_rank + self.config.seed)
+        if params.get("seed") is not None:  # an episode's seed: each turn (longer prompt) gets its own stream
+            params["seed"] = turn_seed(int(params["seed"]), len(prompt_ids))
         options = SamplingOptions.from_vllm_params(
             params, max_tokens=self.engine.max_new_tokens(len(prompt_ids), requested)
         )

@@ -19,6 +19,10 @@ Selected with ``trainer.v1.trainer_mode=sorl_sync`` (or ``sorl_colocate_async``,
 
 verl enables the critic by itself only for ``gae``; ``so_ppo`` needs ``critic.enable=True``
 and these trainers refuse to start without it.
+
+They also make a run reproducible from its seed (:class:`~sorl_verl.trainer.reproducible.ReproducibleRollouts`):
+prompts get ordered, stable uids instead of random ones, and a sampled batch's rows are trained
+in prompt dispatch order rather than in the order their episodes finished.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from sorl_verl.agent.metrics import EPISODE_METRICS, episode_metrics
+from sorl_verl.trainer.reproducible import ReproducibleRollouts
 from sorl_verl.trainer.values_context import provide_values
 
 #: advantage estimator that needs critic values
@@ -119,19 +124,19 @@ class SORLValuesHook:
         metrics.update(fetch_episode_metrics(list(batch.keys), batch.partition_id, list(batch.tags)))
 
 
-class SORLTrainerSync(SORLValuesHook, PPOTrainerSync):
+class SORLTrainerSync(SORLValuesHook, ReproducibleRollouts, PPOTrainerSync):
     """verl's ``sync`` trainer with the so_ppo critic-value hook (``trainer_mode=sorl_sync``)."""
 
     base_trainer_mode = "sync"
 
 
-class SORLTrainerColocateAsync(SORLValuesHook, PPOTrainerColocateAsync):
+class SORLTrainerColocateAsync(SORLValuesHook, ReproducibleRollouts, PPOTrainerColocateAsync):
     """verl's ``colocate_async`` trainer with the hook (``trainer_mode=sorl_colocate_async``)."""
 
     base_trainer_mode = "colocate_async"
 
 
-class SORLTrainerSeparateAsync(SORLValuesHook, PPOTrainerSeparateAsync):
+class SORLTrainerSeparateAsync(SORLValuesHook, ReproducibleRollouts, PPOTrainerSeparateAsync):
     """verl's ``separate_async`` trainer with the hook (``trainer_mode=sorl_separate_async``)."""
 
     base_trainer_mode = "separate_async"

@@ -174,7 +174,9 @@ def test_sorl_trainer_behaves_as_its_verl_base_mode(mode, base_mode, buffer):
     trainer = get_trainer_cls(config.trainer.v1.trainer_mode)(config)
     assert trainer.trainer_mode == base_mode
     assert trainer.requested_trainer_mode == mode
-    assert type(trainer.replay_buffer).__name__ == buffer  # verl picks the buffer by trainer_mode == "sync"
+    # verl picks the buffer by trainer_mode == "sync"; the SORL trainer serves its batches in dispatch order
+    assert type(trainer.replay_buffer).__name__ == "DispatchOrderedSampler"
+    assert type(trainer.replay_buffer._buffer).__name__ == buffer
     assert trainer.use_critic is True  # sorl_trainer.yaml turns the critic on for so_ppo
     assert config.trainer.v1.trainer_mode == mode  # the user's config is left as given
 

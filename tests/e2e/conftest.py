@@ -1,0 +1,155 @@
+"""Shared set-up of the end-to-end tests: the embedded default, a live retrieval server, and a
+runner of verl's ``python -m verl.trainer.main_ppo`` on CPU that also records the addresses every
+process of the run listens on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "recipe" / "sorl" / "config"
+RUN_TIMEOUT_S = 1200
+#: addresses a loopback-only process may listen on (IPv4, IPv6, IPv4-mapped IPv6)
+LOOPBACK_ADDRESSES = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+#: small sizes: 4 prompts x 2 samples, episodes of up to 3 model turns
+SMALL = [
+    "data.train_batch_size=4",
+    "data.val_batch_size=8",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_epochs=1",  # one update per rollout: on-policy, ratios exactly 1
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+    "data.max_response_length=448",
+    "sorl.agent.max_turns=3",
+    "trainer.val_before_train=False",
+    "trainer.test_freq=-1",
+]
+
+
+@dataclass
+class MainPPORun:
+    """A finished main_ppo run: verl's metric records, its log, and every (ip, port, process) it listened on."""
+
+    records: list[dict]
+    log: Path
+    listening: set[tuple[str, int, str]] = field(default_factory=set)
+
+    def train_steps(self) -> dict[int, dict]:
+        return {r["step"]: r["data"] for r in self.records if "timing_s/step" in r["data"]}
+
+    def exposed_listeners(self) -> list[tuple[str, int, str]]:
+        """Listening sockets of the run bound beyond the loopback interface."""
+        return sorted(s for s in self.listening if s[0] not in LOOPBACK_ADDRESSES)
+
+
+@pytest.fixture(scope="session")
+def small_overrides() -> list[str]:
+    """The small sizes every e2e run starts from (a copy: tests may drop or add entries)."""
+    return list(SMALL)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from sorl_verl.cpu.chatml_alias import chatml_alias
+    from sorl_verl.data.embedded import ensure_embedded_default
+
+    paths = ensure_embedded_default(progress=False)
+    return paths, chatml_alias(paths.model_dir)
+
+
+@pytest.fixture(scope="session")
+def retrieval(embedded):
+    from sorl_verl.retrieval.server import serve_in_background
+
+    server = serve_in_background(embedded[0].index_dir, subprocess_mode=True)
+    yield server
+    server.stop()
+
+
+def listening_sockets(root: psutil.Process) -> set[tuple[str, int, str]]:
+    """(ip, port, process name) of every listening TCP socket of ``root`` and its descendants."""
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for proc in procs:
+        try:
+            name = proc.name()
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((conn.laddr.ip, conn.laddr.port, name))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+class SocketWatcher(threading.Thread):
+    """Polls the listening sockets of a process tree until stopped (Ray's processes come and go)."""
+
+    def __init__(self, pid: int, interval_s: float = 2.0) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.found: set[tuple[str, int, str]] = set()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            self.found |= listening_sockets(self.root)
+
+    def stop(self) -> set[tuple[str, int, str]]:
+        self._stop_event.set()
+        self.join()
+        return self.found
+
+
+@pytest.fixture(scope="session")
+def main_ppo(embedded, retrieval):
+    """``main_ppo(run_dir, algo_args, extra) -> MainPPORun`` (asserting exit code 0)."""
+    paths, model = embedded
+
+    def run(run_dir: Path, algo_args: list[str], extra: list[str], small: list[str] = SMALL) -> MainPPORun:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = run_dir / f"metrics-{len(list(run_dir.glob('metrics-*.jsonl')))}.jsonl"
+        cmd = [
+            sys.executable, "-m", "verl.trainer.main_ppo",
+            "--config-path", str(CONFIG_DIR), "--config-name", "sorl_trainer", "+task=search_qa", "+platform=cpu",
+            f"data.train_files={paths.parquet['train']}", f"data.val_files={paths.parquet['val']}",
+            f"actor_rollout_ref.model.path={model}",
+            f"sorl.agent.retrieval_url={retrieval.retrieve_url}",
+            f"trainer.default_local_dir={run_dir / 'ckpt'}",
+            "trainer.logger=[console,file]",
+            *small, *algo_args, *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_FILE_LOGGER_PATH": str(metrics),
+               "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+        log = run_dir / f"{metrics.stem}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+            watcher = SocketWatcher(proc.pid)
+            watcher.start()
+            try:
+                returncode = proc.wait(timeout=RUN_TIMEOUT_S)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                listening = watcher.stop()
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        assert returncode == 0, f"main_ppo exited {returncode}; log {log}:\n{tail}"
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return MainPPORun(records=records, log=log, listening=listening)
+
+    return run
