@@ -52,9 +52,8 @@ def extract_letter(answer: str | None, options: dict[str, str] | None = None) ->
     letters = {k.strip().upper(): v for k, v in (options or {}).items() if v is not None}
     plain, text = _clean(answer)
     bare = _BARE_LETTER.match(text)
-    if bare:
-        letter = _letter(bare)
-        return letter if not options or letter in letters else None
+    if bare and (not options or _letter(bare) in letters):
+        return _letter(bare)
     if not options:
         return None
     with_text = _LETTER_THEN_TEXT.match(text)
