@@ -100,9 +100,24 @@ def _resolve_rollout_adapter(name: str) -> Any:
     return get_rollout_class(rollout_name, mode)
 
 
+def _resolve_optimizer(name: str) -> Any:
+    import torch
+    from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer
+
+    from sorl_verl.algorithms.optim import UpdateScaledOptimizer
+
+    module_name, cls_name = name.rsplit(".", 1)
+    config = FSDPOptimizerConfig(lr=1e-3, optimizer_impl=module_name, optimizer=cls_name)
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(1))], config)  # verl's own builder
+    if not isinstance(optimizer, UpdateScaledOptimizer):
+        raise LookupError(f"verl built {type(optimizer).__qualname__}, not an update-scaled optimizer")
+    return type(optimizer)
+
+
 #: plugin.REGISTERED key -> the verl getter that must find each name
 RESOLVERS: dict[str, Callable[[str], Any]] = {
     "policy_loss": _resolve_policy_loss,
+    "optimizer": _resolve_optimizer,
     "adv_estimator": _resolve_adv_estimator,
     "trainer": _resolve_trainer,
     "agent_loop": _resolve_agent_loop,

@@ -38,6 +38,7 @@ def _section(name: str, fn: Callable[[], dict[str, list[str]]]) -> None:
 def register_all() -> dict[str, list[str]]:
     """Register every SORL component into verl; safe to call any number of times."""
     _section("algorithms", _register_algorithms)
+    _section("optimizer", _register_optimizer)
     _section("trainers", _register_trainers)
     _section("agent", _register_agent)
     _section("cpu", _register_cpu)
@@ -83,6 +84,20 @@ def _register_algorithms() -> dict[str, list[str]]:
             core_algos.ADV_ESTIMATOR_REGISTRY, core_algos.register_adv_est, "advantage estimator", ADVANTAGE_ESTIMATORS
         ),
     }
+
+
+# --- optimizer: the plug point of update-level normalization ---------------------------
+
+
+def _register_optimizer() -> dict[str, list[str]]:
+    """The update-scaled optimizers verl builds from ``optim.optimizer_impl`` + ``optim.optimizer``.
+
+    verl has no optimizer registry: its ``build_optimizer`` imports the module and takes the class
+    by name, so nothing is written into verl here; the names are listed for the doctor.
+    """
+    from sorl_verl.algorithms import optim
+
+    return {"optimizer": [f"{optim.__name__}.{name}" for name in ("AdamW", "Adam", "SGD")]}
 
 
 # --- trainers: the hook that hands critic values to the turn-level GAE ------------------

@@ -161,3 +161,11 @@ def test_verl_builds_it_from_optimizer_impl():
     opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), config)
     assert isinstance(opt, torch.optim.AdamW) and isinstance(opt, optim.UpdateScaledOptimizer)
     assert opt.log_update_norm and opt.param_groups[0]["betas"] == tuple(config.betas)
+
+
+def test_doctor_lists_the_plug_point():
+    from sorl_verl.doctor import resolve_in_this_process
+
+    resolved = resolve_in_this_process()["resolved"]["optimizer"]
+    assert set(resolved) == {f"sorl_verl.algorithms.optim.{name}" for name in ("AdamW", "Adam", "SGD")}
+    assert all(status.startswith("ok") for status in resolved.values())
