@@ -14,6 +14,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from sorl_verl.cpu.loopback import use_loopback_ray
+
 #: verl releases the wrappers below were read against
 VERL_CHECKED = SpecifierSet(">=0.9.1,<0.10")
 #: names of the verl internals wrapped in this process
@@ -78,7 +80,10 @@ def _wrap(module: Any, attr: str, make: Any) -> None:
 
 
 def apply_cpu_wrappers() -> list[str]:
-    """Install every CPU wrapper (idempotent); must run before verl's workers import the wrapped names."""
+    """Install every CPU wrapper (idempotent); must run before verl's workers import the wrapped names.
+
+    Also keeps Ray on the loopback interface (:func:`~sorl_verl.cpu.loopback.use_loopback_ray`).
+    """
     _check_verl_version()
     import verl.utils.distributed as dist_utils
     import verl.utils.model as model_utils
@@ -87,4 +92,6 @@ def apply_cpu_wrappers() -> list[str]:
     _wrap(dist_utils, "initialize_global_process_group_ray", _cpu_only_backend)
     # imported inside the FSDP engine's _build_module at call time
     _wrap(model_utils, "load_valuehead_model", _sdpa_value_model)
+    # not a wrapper: Ray's node on 127.0.0.1 for the single-machine CPU run (sorl_verl/cpu/loopback.py)
+    use_loopback_ray()
     return list(APPLIED)
