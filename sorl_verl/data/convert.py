@@ -18,7 +18,11 @@ Multiple choice: ``medqa`` rows have ``options`` (a dict letter -> text, or a li
 1-based in the original JSON (``cop_base="auto"`` decides per file from the values present).
 
 A bad row raises :class:`BadRowError` naming the file and line (row for parquet), unless
-``skip_bad`` is set, in which case it is skipped and counted in the report.
+``skip_bad`` is set, in which case it is skipped and counted in the report. A bad file raises
+:class:`BadFileError` whatever ``skip_bad`` says: a byte that is not UTF-8 (file and line), an
+unreadable JSON or parquet file, medmcqa ``cop`` indices whose base cannot be told. The CLI prints
+one ``error: ...`` line and exits 2 on either; the output parquet is written to a temporary file
+next to it and renamed into place, so it is either complete or untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ _ID_KEYS = ("id", "_id", "question_id", "QuestionId", "qid")
 
 class BadRowError(ValueError):
     """A row that cannot be converted; the message names the file and line/row."""
+
+
+class BadFileError(BadRowError):
+    """A whole input file that cannot be converted (not skippable); the message names file and line."""
 
 
 @dataclass
@@ -79,10 +87,15 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for batch_start, batch in _parquet_batches(pq.ParquetFile(path)):
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
+            raise BadFileError(f"{path}: not a readable parquet file ({e})") from None
+        for batch_start, batch in _parquet_batches(parquet):
             for offset, row in enumerate(batch):
                 yield f"{path}:row {batch_start + offset + 1}", row
         return
+    check_utf8(path)
     if path.suffix in (".csv", ".tsv"):
         import csv
 
@@ -100,11 +113,11 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
             try:
                 items = json.load(f)
             except json.JSONDecodeError as e:
-                raise BadRowError(f"{path}: not valid JSON ({e})") from e
+                raise BadFileError(f"{path}:line {e.lineno}: not valid JSON ({e.msg})") from None
             if isinstance(items, dict):  # TriviaQA's original release: {"Data": [...]}
                 items = items.get("Data", items.get("data"))
                 if not isinstance(items, list):
-                    raise BadRowError(f"{path}: a JSON object without a 'Data' list")
+                    raise BadFileError(f"{path}: a JSON object without a 'Data' list")
             for i, item in enumerate(items, start=1):
                 yield f"{path}:row {i}", item
             return
@@ -115,6 +128,19 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
                 yield f"{path}:line {line_no}", json.loads(line)
             except json.JSONDecodeError as e:
                 yield f"{path}:line {line_no}", BadRowError(f"{path}:line {line_no}: invalid JSON ({e.msg})")
+
+
+def check_utf8(path: Path) -> None:
+    """Raise :class:`BadFileError` at the first line that is not valid UTF-8 (a BOM is accepted)."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadFileError(
+                    f"{path}:line {line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+                ) from None
 
 
 def _is_json_lines(path: Path) -> bool:
@@ -233,18 +259,42 @@ def medmcqa_fields(row: dict[str, Any], cop_base: int | None) -> tuple[dict[str,
     return options, "ABCD"[position]
 
 
-def _detect_cop_base(path: Path) -> int | None:
-    """0 if some cop is 0, 1 if some cop is 4, else None (undecidable)."""
+def _detect_cop_base(path: Path) -> int:
+    """0 if some cop is 0, 1 if some cop is 4; :class:`BadFileError` when both or neither occur."""
     seen: set[int] = set()
-    for _, row in iter_rows(path):
+    first: str | None = None
+    for location, row in iter_rows(path):
         if isinstance(row, dict) and not isinstance(row.get("cop"), str):
             try:
                 seen.add(int(row.get("cop")))
             except (TypeError, ValueError):
                 continue
+            first = first or location
+    where = first or str(path)
     if 0 in seen and 4 in seen:
-        raise BadRowError(f"{path}: cop values span 0..4; pass cop_base explicitly")
-    return 0 if 0 in seen else 1 if 4 in seen else None
+        raise BadFileError(f"{where}: cop values span 0..4, so neither base fits; check the file's cop column")
+    if 0 not in seen and 4 not in seen and seen:
+        raise BadFileError(
+            f"{where}: cannot tell whether cop is 0- or 1-based (values seen: {sorted(seen)}; a 0 means 0-based, "
+            "a 4 means 1-based); pass --cop-base 0 (Hugging Face release) or --cop-base 1 (original JSON)"
+        )
+    return 0 if 0 in seen else 1
+
+
+def _check_unicode(value: Any) -> None:
+    """ValueError when a string in ``value`` cannot be written as UTF-8 (a lone surrogate from a JSON escape)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            snippet = value[max(0, e.start - 20) : e.end]
+            raise ValueError(f"text that is not valid Unicode ({e.reason} at {snippet!r})") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_unicode(item)
 
 
 # --- conversion --------------------------------------------------------------------------
@@ -270,6 +320,8 @@ def convert_rows(
     source = data_source or dataset
     report = report if report is not None else ConvertReport()
     base: int | None = None
+    if dataset == "medmcqa" and cop_base not in ("auto", "0", "1", 0, 1):
+        raise ValueError(f"cop_base must be 'auto', 0 or 1, got {cop_base!r}")
     if dataset == "medmcqa":
         base = _detect_cop_base(path) if cop_base == "auto" else int(cop_base)
     mcq_fields: Callable[[dict[str, Any], int | None], tuple[dict[str, str], str]] | None = {
@@ -291,10 +343,14 @@ def convert_rows(
             question = _question(row)
             if mcq_fields is None:
                 golds = _usable_golds(qa_answers(row), location, report)
-                records.append(qa_record(question, golds, source, split, index, extra, agent_name))
+                record = qa_record(question, golds, source, split, index, extra, agent_name)
             else:
                 options, letter = mcq_fields(row, base)
-                records.append(mcq_record(question, options, letter, source, split, index, extra, agent_name))
+                record = mcq_record(question, options, letter, source, split, index, extra, agent_name)
+            _check_unicode(record)
+            records.append(record)
+        except BadFileError:
+            raise
         except (ValueError, KeyError, TypeError) as e:
             message = str(e) if isinstance(e, BadRowError) else f"{location}: {e}"
             if not skip_bad:
@@ -324,10 +380,24 @@ def convert_files(
             records.append(rec)
     if not records:
         raise BadRowError(f"no rows converted from {[str(p) for p in inputs]}")
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(records).to_parquet(out, index=False)
+    write_parquet_atomically(pd.DataFrame(records), Path(output))
     return report
+
+
+def write_parquet_atomically(frame: Any, out: Path) -> None:
+    """Write ``frame`` to a temporary file in ``out``'s directory, then rename it over ``out``."""
+    import os
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -358,8 +428,9 @@ def main(argv: list[str] | None = None) -> None:
             data_source=args.data_source,
             agent_name=args.agent_name,
         )
-    except (BadRowError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+    except (BadRowError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     for warning in report.warnings():
         print(warning, file=sys.stderr)
     print(f"{args.output}: {report}")

@@ -90,7 +90,7 @@ def test_medmcqa_ambiguous_cop_needs_flag(tmp_path: Path) -> None:
     path = write_jsonl(
         tmp_path / "mm.jsonl", [{"question": "q?", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": 2}]
     )
-    with pytest.raises(BadRowError, match="cop_base"):
+    with pytest.raises(BadRowError, match="--cop-base"):
         convert_rows("medmcqa", path)
     assert convert_rows("medmcqa", path, cop_base=1)[0]["reward_model"]["ground_truth"]["target"] == ["B"]
     assert convert_rows("medmcqa", path, cop_base=0)[0]["reward_model"]["ground_truth"]["target"] == ["C"]
