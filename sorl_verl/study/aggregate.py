@@ -5,7 +5,8 @@ A run record (``runs[i]`` of stability.json)::
     algorithm, regime, seed, status (done|failed), collapsed, judged, reason, onset_step,
     initial_val_score, final_val_score, peak_val_score, val_scores [[step, score], ...],
     final_val_by_source {source: score}, steps (last step logged), steps_planned, wall_s,
-    exit_code, lr, mean_norm_factor, mean_update_scale, max_turn_clipfrac, max_ppo_kl
+    exit_code, lr, mean_norm_factor, mean_update_scale, mean_loss_scale, max_sorl_clipfrac
+    (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl
 
 ``final_val_score`` is the validation score (mean over data sources) at the last validation;
 ``peak_val_score`` the maximum over all validations, step 0 included. ``lr_match`` gives, per
@@ -95,7 +96,11 @@ def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
             "lr": _float_or_none(cell.get("overrides", {}).get(LR_KEY)),
             "mean_norm_factor": _mean(v for _, v in trace.series("actor/sorl/norm_factor")),
             "mean_update_scale": _mean(scales),
-            "max_turn_clipfrac": _max(v for _, v in trace.series("actor/sorl/turn_clipfrac")),
+            "mean_loss_scale": _mean(v for _, v in trace.series("actor/sorl/loss_scale")),
+            "max_sorl_clipfrac": _max(
+                v for k in ("actor/sorl/turn_clipfrac", "actor/sorl/token_clipfrac") for _, v in trace.series(k)
+            ),
+            "max_pg_clipfrac": _max(v for _, v in trace.series("actor/pg_clipfrac")),
             "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
         }
     )

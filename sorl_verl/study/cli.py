@@ -90,6 +90,10 @@ def _cmd_run(a: argparse.Namespace, grid: Grid) -> int:
     except StudyBusy as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, SystemExit) as exc:
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 130
+        print(f"[study] {grid.name}: interrupted; the cut-off cell restarts from scratch next time", flush=True)
+        return code
     print(
         f"[study] {grid.name}: {counts['ran']} run now; {counts['done']} done, {counts['failed']} failed, "
         f"{counts['unfilled']} unfilled of {len(cells)} selected",

@@ -17,22 +17,24 @@ from typing import Any
 
 from sorl_verl.study.metrics import Trace
 
-#: (title, training metric key or None for the validation score, log scale)
-PANELS: tuple[tuple[str, str | None, bool], ...] = (
-    ("validation score (mean over splits)", None, False),
-    ("training reward (critic/score/mean)", "critic/score/mean", False),
-    ("turn clip fraction (sorl/turn_clipfrac)", "actor/sorl/turn_clipfrac", False),
-    ("Z (sorl/norm_factor)", "actor/sorl/norm_factor", False),
-    ("update scale (sorl/update_scale)", "actor/sorl/update_scale", False),
-    ("ppo_kl", "actor/ppo_kl", False),
-    ("grad norm (actor/grad_norm)", "actor/grad_norm", True),
-    ("entropy (actor/entropy)", "actor/entropy", False),
-    ("response length (mean tokens)", "response_length/mean", False),
+#: (title, training metric keys (the first a run logged) or () for the validation score, log scale)
+PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("validation score (mean over splits)", (), False),
+    ("training reward (critic/score/mean)", ("critic/score/mean",), False),
+    ("SORL clip fraction (turns; tokens for s_ppo)", ("actor/sorl/turn_clipfrac", "actor/sorl/token_clipfrac"), False),
+    ("PPO clip fraction (actor/pg_clipfrac)", ("actor/pg_clipfrac",), False),
+    ("Z (sorl/norm_factor)", ("actor/sorl/norm_factor",), False),
+    ("update scale (sorl/update_scale)", ("actor/sorl/update_scale",), False),
+    ("ppo_kl", ("actor/ppo_kl",), False),
+    ("grad norm (actor/grad_norm)", ("actor/grad_norm",), True),
+    ("entropy (actor/entropy)", ("actor/entropy",), False),
+    ("response length (mean tokens)", ("response_length/mean",), False),
 )
 
 
-def _points(trace: Trace, key: str | None) -> list[tuple[int, float]]:
-    pts = trace.val_scores if key is None else trace.series(key)
+def _points(trace: Trace, keys: tuple[str, ...]) -> list[tuple[int, float]]:
+    """The validation scores (``keys`` empty) or the first of ``keys`` the run logged, finite only."""
+    pts = trace.val_scores if not keys else next((p for p in (trace.series(k) for k in keys) if p), [])
     return [(s, v) for s, v in pts if math.isfinite(v)]
 
 
@@ -90,7 +92,7 @@ def plot_regime(
                 continue
             positive = positive and min(lo) > 0
             c = colors[algorithm]
-            marker = "o" if key is None or len(steps) == 1 else None
+            marker = "o" if not key or len(steps) == 1 else None
             ax.plot(steps, mean, color=c, marker=marker, ms=3, lw=1.4, label=f"{algorithm} (n={len(traces)})")
             if len(traces) > 1:
                 ax.fill_between(steps, lo, hi, color=c, alpha=0.15, lw=0)

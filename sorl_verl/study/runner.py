@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -122,10 +123,14 @@ def default_timeout_s(grid: Grid) -> float:
 
 
 @contextlib.contextmanager
-def flocked(path: str | None, wait_note: Callable[[], None] | None = None) -> Iterator[None]:
-    """Hold an exclusive ``flock(2)`` on ``path`` (the lock ``flock(1)`` takes); no-op for None."""
+def flocked(path: str | None, wait_note: Callable[[], None] | None = None) -> Iterator[tuple[int, ...]]:
+    """Hold an exclusive ``flock(2)`` on ``path`` (the lock ``flock(1)`` takes); no-op for None.
+
+    Yields the lock's file descriptor (empty for None): a child given it (``pass_fds``) shares
+    the lock, which then lasts while the child lives even if this process dies.
+    """
     if not path:
-        yield
+        yield ()
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -135,7 +140,7 @@ def flocked(path: str | None, wait_note: Callable[[], None] | None = None) -> It
             if wait_note:
                 wait_note()
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield (fd,)
     finally:
         os.close(fd)
 
@@ -228,8 +233,13 @@ def run_cell(
     timeout_s: float,
     out: TextIO = sys.stdout,
     poll_s: float = 2.0,
+    pass_fds: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Run one cell from scratch in ``directory``; returns (and writes) its final record."""
+    """Run one cell from scratch in ``directory``; returns (and writes) its final record.
+
+    ``pass_fds``: descriptors main_ppo inherits (the heavy-job lock, so that it stays held by a
+    main_ppo orphaned by a killed runner).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     for name in RUN_OUTPUTS:
         p = directory / name
@@ -270,6 +280,7 @@ def run_cell(
             stderr=subprocess.STDOUT,
             env={**os.environ, **env_add},
             start_new_session=True,
+            pass_fds=pass_fds,
         )
         record["pid"] = proc.pid
         write_record(directory, record)
@@ -350,6 +361,25 @@ def prepare_inputs(lock: str | None, log: TextIO) -> tuple[Inputs, Any]:
     return inputs, server
 
 
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise SystemExit (128 + signal) in the main thread, so cleanup runs:
+    the running cell's process group is stopped and the cell recorded as interrupted."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def run_grid(
     grid: Grid,
     out: Path,
@@ -370,7 +400,7 @@ def run_grid(
     counts = {"done": 0, "failed": 0, "unfilled": 0, "ran": 0}
     server = None
     n = len(cells)
-    with study_lock(out):
+    with study_lock(out), _terminate_as_exit():
         try:
             for i, cell in enumerate(cells, 1):
                 tag = f"[study {i}/{n} {cell.key}]"
@@ -389,9 +419,11 @@ def run_grid(
                     inputs, server = prepare_inputs(lock, log)
                 if state == "interrupted":
                     print(f"{tag} was interrupted: restarting from scratch", file=log, flush=True)
-                with flocked(lock, lambda tag=tag: print(f"{tag} waiting for {lock}", file=log, flush=True)):
+                waiting = f"{tag} waiting for {lock}"
+                with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
-                    rec = run_cell(grid, cell, cell_dir(out, cell), inputs, tag=tag, timeout_s=timeout_s, out=log)
+                    directory = cell_dir(out, cell)
+                    rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)
                 counts["ran"] += 1
                 counts[rec["status"]] += 1
                 print(_finished_line(tag, rec, cell_dir(out, cell)), file=log, flush=True)

@@ -86,7 +86,7 @@ def test_stability_json_records(study, tmp_path):
     assert g1["final_val_by_source"] == {"s1": pytest.approx(0.4 / 3), "s2": pytest.approx(0.2 / 3)}
     assert runs[("grpo", 2)]["collapsed"] is False
     so = runs[("so_grpo", 1)]
-    assert (so["mean_norm_factor"], so["mean_update_scale"], so["max_turn_clipfrac"]) == (2.0, 0.5, 0.2)
+    assert (so["mean_norm_factor"], so["mean_update_scale"], so["max_sorl_clipfrac"]) == (2.0, 0.5, 0.2)
     assert so["lr"] == 0.0005
     gspo = runs[("gspo", 1)]
     assert (gspo["judged"], gspo["collapsed"], gspo["status"]) == (False, False, "failed")
