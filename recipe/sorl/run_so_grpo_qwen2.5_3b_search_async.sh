@@ -6,12 +6,12 @@ set -euo pipefail
 : "${ALGO:=so_grpo}"
 : "${TASK:=search}"
 : "${MODEL_PATH:=Qwen/Qwen2.5-3B}"
-# off-policy by asynchrony: verl separate_async trainer, 8 training + 4 rollout GPUs,
-# weights pushed every NUM_MINI_BATCHES updates, trajectories up to STALENESS versions old
+# off-policy by asynchrony: verl separate_async trainer on one 8-GPU node, 4 training + 4 rollout
+# GPUs (common.sh splits the node), weights pushed every NUM_MINI_BATCHES updates, trajectories up
+# to STALENESS versions old
 : "${TRAINER_MODE:=separate_async}"
 : "${NUM_MINI_BATCHES:=4}"
 : "${STALENESS:=4}"
-: "${ROLLOUT_GPUS_PER_NODE:=4}"
 # shellcheck source=recipe/sorl/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 sorl_run "$@"

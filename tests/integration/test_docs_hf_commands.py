@@ -24,12 +24,19 @@ def shell_commands(markdown: str) -> list[list[str]]:
     split at ``;``, ``&&``, ``||``, ``|``, ``&``; leading ``VAR=value`` assignments removed."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", markdown, flags=re.DOTALL):
+        pending = ""
         for line in block.replace("\\\n", " ").splitlines():
-            lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+            pending = f"{pending}\n{line}" if pending else line
+            lexer = shlex.shlex(pending, posix=True, punctuation_chars=";&|")
             lexer.whitespace_split = True
             lexer.commenters = "#"
+            try:
+                tokens = list(lexer)
+            except ValueError:  # a quoted string spans lines: read on
+                continue
+            pending = ""
             current: list[str] = []
-            for token in [*lexer, ";"]:
+            for token in [*tokens, ";"]:
                 if token in SEPARATORS:
                     while current and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", current[0]):
                         current.pop(0)
@@ -98,6 +105,11 @@ def test_shell_commands_split_blocks_as_bash_does():
         ["hf", "download", "x/y", "--include", "a b/*"],
         ["echo", "hi"],
         ["hf", "download", "z/w"],
+    ]
+    multi_line_quote = "```bash\npython -c '\nimport x\nprint(1)\n' > f\nhf download a/b\n```\n"
+    assert shell_commands(multi_line_quote) == [
+        ["python", "-c", "\nimport x\nprint(1)\n", ">", "f"],
+        ["hf", "download", "a/b"],
     ]
 
 

@@ -1,7 +1,7 @@
 """Runs every bash block of docs/quickstart.md that is not marked ``# GPU only`` or ``# network``,
 in order, in one bash session, on small stand-in files placed where the download step puts the
-real ones, and a stand-in for a GPU run's metrics written with verl's own Tracking. Then checks
-what each step produced."""
+real ones, and stand-ins for two GPU runs' metrics written with verl's own Tracking into the run
+directories the quickstart finds with DRY_RUN. Then checks what each step produced."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,47 +57,48 @@ def _stand_in_downloads(work: Path) -> dict[str, int]:
         _jsonl(flashrag / ds / f"{split}.jsonl", rows)
         counts[f"test/{ds}"] = i + 1
     options = {"A": "aspirin", "B": "insulin", "C": "heparin", "D": "warfarin"}
-    for split, n in (("train", 4), ("test", 2)):
+    for split, n in (("train", 4), ("test", 2)):  # the Hub copy's file names
         _jsonl(
-            work / f"raw/medqa/{split}.jsonl",
+            work / f"raw/medqa/phrases_no_exclude_{split}.jsonl",
             [{"question": f"Drug {j}?", "options": options, "answer_idx": "B"} for j in range(n)],
         )
         counts[f"medical/{split}/medqa"] = n
-    for split, name in (("train", "train.json"), ("test", "dev.json")):
+    import pandas as pd
+
+    for split, name in (("train", "train-00000-of-00001.parquet"), ("test", "validation-00000-of-00001.parquet")):
         rows = [
             {"id": f"m{j}", "question": f"Q{j}?", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": c}
-            for j, c in enumerate((1, 4, 2))
+            for j, c in enumerate((0, 3, 1))
         ]
-        _jsonl(work / "raw/medmcqa" / name, rows)
+        (work / "raw/medmcqa/data").mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_parquet(work / "raw/medmcqa/data" / name)
         counts[f"medical/{split}/medmcqa"] = 3
     return counts
 
 
-def _stand_in_runs(outputs: Path) -> dict[str, float]:
-    """What two GPU runs leave behind (verl's file + tensorboard loggers); returns the last val EM."""
-    from verl.utils.tracking import Tracking
-
-    last_em = {}
-    for name, slope in (("so_grpo-search-qwen2.5-3b-sync", 0.02), ("grpo-search-qwen2.5-3b-sync", 0.01)):
-        run = outputs / name
-        run.mkdir(parents=True)
-        os.environ["VERL_FILE_LOGGER_PATH"] = str(run / "metrics.jsonl")
-        os.environ["TENSORBOARD_DIR"] = str(run / "tensorboard")
-        try:
-            tracker = Tracking(project_name="sorl", experiment_name=name, default_backend=["file", "tensorboard"])
-            for step in range(1, 11):
-                data = {"critic/score/mean": slope * step, "actor/pg_clipfrac": 0.01, "sorl/norm_factor": 1.0,
-                        "actor/grad_norm": 0.4, "actor/entropy": 1.0 - slope * step}  # fmt: skip
-                if step % 5 == 0:
-                    for i, ds in enumerate(QA_TEST_SETS):
-                        data[f"val-aux/{ds}/em/mean@1"] = slope * step + 0.01 * i
-                        data[f"val-aux/{ds}/f1/mean@1"] = slope * step + 0.02 * i
-                tracker.log(data, step=step)
-            tracker.finish()
-        finally:
-            del os.environ["VERL_FILE_LOGGER_PATH"], os.environ["TENSORBOARD_DIR"]
-        last_em[name] = sum(slope * 10 + 0.01 * i for i in range(7)) / 7
-    return last_em
+#: writes what two GPU runs leave behind (verl's file + tensorboard loggers, one launch each) into
+#: the run directories given as arguments: validation EM rises to step 10 for SO-GRPO; GRPO peaks
+#: at step 5 and falls (so its best step is not its last)
+STAND_IN_RUNS = """
+import os, sys
+from verl.utils.tracking import Tracking
+QA = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+for run, slope in zip(sys.argv[1:], (0.02, 0.01)):
+    os.makedirs(run)
+    os.environ["VERL_FILE_LOGGER_PATH"] = os.path.join(run, "metrics.20250101-000000-1.jsonl")
+    os.environ["TENSORBOARD_DIR"] = os.path.join(run, "tensorboard")
+    tracker = Tracking(project_name="sorl", experiment_name=os.path.basename(run), default_backend=["file", "tensorboard"])
+    for step in range(1, 11):
+        data = {"critic/score/mean": slope * step, "actor/pg_clipfrac": 0.01, "sorl/norm_factor": 1.0,
+                "actor/grad_norm": 0.4, "actor/entropy": 1.0 - slope * step}
+        if step % 5 == 0:
+            level = slope * step if slope == 0.02 else (0.3 if step == 5 else 0.05)
+            for i, ds in enumerate(QA):
+                data[f"val-aux/{ds}/em/mean@1"] = level + 0.01 * i
+                data[f"val-aux/{ds}/f1/mean@1"] = level + 0.02 * i
+        tracker.log(data, step=step)
+    tracker.finish()
+"""
 
 
 def _free_port() -> int:
@@ -109,24 +111,28 @@ def test_blocks_are_marked_and_cpu_blocks_cover_every_step():
     markdown = QUICKSTART.read_text()
     blocks = cpu_blocks(markdown)
     text = "\n".join(blocks)
-    for command in ("sorl_verl.retrieval.build", "sorl_verl.retrieval.server", "sorl_verl.data.convert",
-                    "DRY_RUN=1 bash recipe/sorl/run_", "scripts/eval.py --metrics", "scripts/plot_metrics.py"):  # fmt: skip
+    for command in ("sorl-verl build-index", "sorl-verl serve", "sorl-verl convert",
+                    "DRY_RUN=1 bash recipe/sorl/run_", "sorl-verl eval --metrics", "sorl-verl plot"):  # fmt: skip
         assert command in text, command
+    assert "python -m sorl_verl" not in markdown and "scripts/eval.py" not in markdown  # the docs use the CLI
     # everything that trains or needs a GPU/network is in a marked block
     for block in re.findall(r"```bash\n(.*?)```", markdown, flags=re.DOTALL):
         if block in blocks:
-            assert "huggingface-cli" not in block and "--device cuda" not in block and "val_only" not in block
-            assert not re.search(r"^(?!DRY_RUN=1 )[^#\n]*bash recipe/sorl/run_", block, flags=re.MULTILINE)
+            assert "hf download" not in block and "--device cuda" not in block and "VAL_ONLY" not in block
+            for line in re.findall(r"^[^#\n]*bash recipe/sorl/run_.*$", block, flags=re.MULTILINE):
+                assert line.startswith("DRY_RUN=1 ") or "run_dir bash" in line, line
 
 
 def test_quickstart_cpu_blocks_run_end_to_end(tmp_path):
     work = tmp_path / "sorl_work"
     counts = _stand_in_downloads(work)
-    last_em = _stand_in_runs(work / "outputs")
-    script = "set -euo pipefail\ntrap 'kill $(jobs -p) 2> /dev/null || true' EXIT\n" + "\n".join(
-        cpu_blocks(QUICKSTART.read_text())
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("TRAIN_FILES", "VAL_FILES", "OUTPUT_DIR", "DRY_RUN")}
+    (tmp_path / "stand_in_runs.py").write_text(STAND_IN_RUNS)
+    blocks = cpu_blocks(QUICKSTART.read_text())
+    after = next(i for i, b in enumerate(blocks) if "RUN=$(run_dir " in b)  # the runs' directories are known
+    blocks.insert(after + 1, f'{sys.executable} {tmp_path / "stand_in_runs.py"} "$RUN" "$BASELINE"')
+    script = "set -euo pipefail\ntrap 'kill $(jobs -p) 2> /dev/null || true' EXIT\n" + "\n".join(blocks)
+    recipe_vars = ("TRAIN_FILES", "VAL_FILES", "OUTPUT_DIR", "DRY_RUN", "RUN_NAME", "RUN_DIR", "RETRIEVAL_HOST")
+    env = {k: v for k, v in os.environ.items() if k not in recipe_vars}
     env.update(SORL_WORK=str(work), PORT=str(_free_port()), PATH=f"{REPO / '.venv' / 'bin'}:{env['PATH']}")
     proc = subprocess.run(
         ["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False
@@ -164,15 +170,27 @@ def test_quickstart_cpu_blocks_run_end_to_end(tmp_path):
     assert list(cfg.data.val_files) == [str(data / f"test/{ds}.parquet") for ds in QA_TEST_SETS]
     assert cfg.sorl.agent.retrieval_url == f"http://127.0.0.1:{env['PORT']}/retrieve"
 
-    # 8: the EM table of the (stand-in) validation run
-    run = work / "outputs/so_grpo-search-qwen2.5-3b-sync"
+    # 0: the environment file every step sources
+    assert f'export SORL_WORK="{work}"' in (work / "env.sh").read_text()
+
+    # 8: the run directories found by DRY_RUN, and the EM tables of their last and best steps
+    runs = sorted((work / "outputs").iterdir())
+    assert [re.sub(r"-[0-9a-f]{8}$", "", r.name) for r in runs] == [
+        "grpo-search-qwen2.5-3b-sync",
+        "so_grpo-search-qwen2.5-3b-sync",
+    ]
+    run = runs[1]
+    assert f"\n{run}\n" in f"\n{out}\n"  # echo "$RUN"
     with (run / "eval/eval.csv").open() as fh:
-        table = {row["data_source"]: row for row in csv.DictReader(fh)}
-    assert list(table) == [*QA_TEST_SETS, "average"]
-    assert abs(float(table["average"]["em"]) - last_em[run.name]) < 1e-9
-    assert (run / "eval/eval.md").read_text().startswith("# SO-GRPO Qwen2.5-3B")
+        rows = list(csv.DictReader(fh))
+    last = {r["data_source"]: r for r in rows if r["which"] == "last"}
+    assert list(last) == [*QA_TEST_SETS, "average"] and {r["step"] for r in rows} == {"10"}  # rising: best = last
+    assert abs(float(last["average"]["em"]) - sum(0.2 + 0.01 * i for i in range(7)) / 7) < 1e-9
+    markdown = (run / "eval/eval.md").read_text()
+    assert markdown.startswith("# SO-GRPO Qwen2.5-3B") and "## best validated step: 10" in markdown
 
     # 9: the overlay plot and its CSV
     assert (work / "curves.png").stat().st_size > 20_000
     rows = (work / "curves.csv").read_text().splitlines()
     assert rows[0] == "run,step,metric,value" and any(r.startswith("SO-GRPO,10,sorl/norm_factor,") for r in rows)
+    assert any(r.startswith("GRPO,5,val-aux/nq/em/mean@1,0.3") for r in rows)

@@ -33,7 +33,7 @@ ALGO_TABLE = {
 }
 #: every knob the scripts read from the environment (parsed from the helper) is cleared for each run,
 #: so the caller's shell can't leak in
-RECIPE_VARS = set(re.findall(r"\$\{([A-Z_]+)(?::=|:-|-)", (RECIPE / "common.sh").read_text())) | {
+RECIPE_VARS = set(re.findall(r"\$\{([A-Z_]+)(?::=|:-|:\+|-)", (RECIPE / "common.sh").read_text())) | {
     "TENSORBOARD_DIR",
     "VERL_FILE_LOGGER_PATH",
 }
@@ -187,9 +187,14 @@ def test_env_overrides_and_trailing_hydra_arguments_win(tiny_model, tmp_path):
     assert cfg.sorl.agent.max_turns == 3 and cfg.data.max_response_length == 3 * 500 + 2 * 500
     assert built["actor"].policy_loss.clip_norm_mode == "add" and built["actor"].policy_loss.clip_norm_tau == 0.5
     assert cfg.trainer.total_training_steps == 7 and cfg.trainer.n_gpus_per_node == 4
-    run_dir = tmp_path / f"so_grpo-search-{tiny_model.name.lower()}-sync"  # MODEL_TAG = model dir name
-    assert cfg.trainer.default_local_dir == str(run_dir / "checkpoints")
-    assert f"export VERL_FILE_LOGGER_PATH={run_dir}/metrics.jsonl" in stderr
+    run_dir = Path(cfg.trainer.default_local_dir).parent  # MODEL_TAG = model dir name, then the config hash
+    assert run_dir.parent == tmp_path and re.fullmatch(
+        rf"so_grpo-search-{tiny_model.name.lower()}-sync-[0-9a-f]{{8}}", run_dir.name
+    )
+    assert cfg.trainer.default_local_dir == str(run_dir / "checkpoints") and cfg.trainer.experiment_name == run_dir.name
+    assert re.search(
+        rf"^export VERL_FILE_LOGGER_PATH={run_dir}/metrics\.[0-9]{{8}}-[0-9]{{6}}-[0-9]+\.jsonl$", stderr, re.M
+    )
     assert f"export TENSORBOARD_DIR={run_dir}/tensorboard" in stderr
 
 
