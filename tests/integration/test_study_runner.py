@@ -124,3 +124,32 @@ def test_interrupted_cell_restarts_and_a_failure_is_recorded(tmp_path):
         and "[study 2/2 on_policy/so_grpo/seed1] done, skipped" in text
     )
     assert json.loads((bad / "cell.json").read_text()) == rec
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_cell_and_records_it_interrupted(tmp_path):
+    """``kill <study pid>`` mid-cell: main_ppo's process group is stopped, the cell is 'interrupted'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "sorl_verl.study", "--grid", str(grid_file(tmp_path)), "--out", str(out)]
+    cmd += ["--lock", "none", "--only", "bad_tau"]
+    study = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    record = out / "on_policy" / "bad_tau" / "seed1" / "cell.json"
+    deadline = time.monotonic() + 120
+    while not (record.exists() and "pid" in read_record(record.parent)):
+        assert study.poll() is None and time.monotonic() < deadline, study.stdout.read()
+        time.sleep(0.2)
+    child = read_record(record.parent)["pid"]
+    study.send_signal(signal.SIGTERM)
+    output, _ = study.communicate(timeout=60)
+    assert study.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted; the cut-off cell restarts from scratch next time" in output
+    rec = read_record(record.parent)
+    assert rec["status"] == "interrupted"
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
