@@ -361,7 +361,8 @@ sorl_gpu_plan() {
 
 # sorl_identity_args OVERRIDES...: the overrides that define the experiment, one per line; what
 # only names, schedules, validates, locates or fits the run into memory is left out, so that
-# changing it (more steps, another retrieval host, other test sets) continues the same run.
+# changing it (more steps, another retrieval host, other test sets) continues the same run. The
+# trainer's GPU count stays in: verl's FSDP checkpoints are sharded per trainer GPU.
 sorl_identity_args() {
   local arg key
   for arg in "$@"; do
@@ -373,8 +374,8 @@ sorl_identity_args() {
         trainer.val_before_train | trainer.val_only | trainer.resume_mode | trainer.resume_from_path | \
         trainer.max_actor_ckpt_to_keep | trainer.max_critic_ckpt_to_keep | trainer.log_val_generations | \
         data.val_files | data.val_max_samples | data.val_batch_size | sorl.agent.retrieval_url | \
-        actor_rollout_ref.rollout.val_kwargs.* | *micro_batch_size_per_gpu | *gpu_memory_utilization | \
-        *param_offload | *optimizer_offload) ;;
+        actor_rollout_ref.rollout.val_kwargs.* | actor_rollout_ref.rollout.tensor_model_parallel_size | \
+        *micro_batch_size_per_gpu | *gpu_memory_utilization | *param_offload | *optimizer_offload) ;;
       *) printf '%s\n' "$arg" ;;
     esac
   done

@@ -68,6 +68,7 @@ IDENTITY_KNOBS = {
     "TEMPERATURE": "0.8",
     "TRAIN_FILES": "/data/other.parquet",
     "MODEL_PATH": "Qwen/Qwen2.5-3B-Instruct",
+    "GPUS_PER_NODE": "4",  # FSDP checkpoints are sharded per trainer GPU
 }
 #: knobs that only name, schedule, place or fit the run: same run directory (it continues)
 BOOKKEEPING_KNOBS = {
@@ -82,6 +83,7 @@ BOOKKEEPING_KNOBS = {
     "GPU_MEMORY_UTILIZATION": "0.5",
     "OFFLOAD": "False",
     "LOGGER": "[console,wandb]",
+    "ROLLOUT_TP": "2",
 }
 
 
