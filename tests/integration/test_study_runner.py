@@ -88,7 +88,7 @@ def test_cell_command_is_the_demo_command(tmp_path):
         "+platform=cpu",
     ]
     assert "sorl.agent.retrieval_url=http://127.0.0.1:9/retrieve" in cmd
-    assert "algorithm.adv_estimator=so_grpo" in cmd and "data.seed=1" in cmd
+    assert "algorithm.adv_estimator=so_grpo" in cmd and "actor_rollout_ref.rollout.seed=1" in cmd
     assert len({a.split("=", 1)[0] for a in cmd[9:]}) == len(cmd[9:])  # each key once
 
 

@@ -85,6 +85,8 @@ def test_algorithm_overrides_and_seed():
     assert rc["algorithm.rollout_correction.rollout_is"] == "sequence"
     tau = overrides_of(grid, "many_updates", "so_grpo_rel_tau0.25")
     assert (tau[f"{LOSS}.clip_norm_reference"], tau[f"{LOSS}.clip_norm_tau"]) == ("relative", "0.25")
+    # the seed drives episode sampling; data order and the validation questions stay the platform's
+    assert "actor_rollout_ref.rollout.seed" in grid.seed_keys and "data.seed" not in grid.seed_keys
     for c in grid.cells:
         assert all(c.overrides[k] == str(c.seed) for k in grid.seed_keys)
         assert c.overrides["trainer.total_training_steps"] == "20"
