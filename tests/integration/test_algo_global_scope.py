@@ -1,4 +1,6 @@
-"""clip_norm_scope=global: two gloo ranks share one ||C||, equal to micro_batch scope over the union."""
+"""clip_norm_scope=global: gloo ranks share one ||C||, equal to micro_batch scope over the union; the
+reduction uses the data-parallel group (only the ranks that compute the loss), and the update-scaled
+optimizer averages its step factor over that group."""
 
 from __future__ import annotations
 
@@ -63,16 +65,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(path: str) -> list[dict]:
+def run_two_ranks(path: str, script: str = RANK_SCRIPT, world_size: int = 2) -> list[dict]:
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), port, path],
+            [sys.executable, "-c", script, str(rank), port, path],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in range(world_size)
     ]
     results = []
     for proc in procs:
@@ -95,3 +97,67 @@ def test_global_scope_equals_micro_batch_scope_over_the_union(tmp_path):
         assert abs(z - union_metrics["sorl/norm_factor"]) < 1e-9
     assert ranks[0]["global"][1] == ranks[1]["global"][1] > 1.0  # both ranks scale by the same Z
     assert ranks[0]["micro_batch"][1] != ranks[1]["micro_batch"][1]  # local scope would differ
+
+
+# 4 ranks laid out like pipeline parallelism with 2 stages x 2 data-parallel ranks: only the last
+# stage (ranks 2, 3) computes the loss, so the reduction must stay inside its data-parallel group.
+PIPELINE_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from verl.workers.config import ActorConfig
+from sorl_verl.algorithms.config import SORLPolicyLossConfig
+from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
+from sorl_verl.algorithms.parallel import set_data_parallel_group
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+out = {}
+if rank >= 2:
+    set_data_parallel_group(groups[1])
+    old, new, adv, mask = torch.load(path)[rank - 2]
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4,
+                         policy_loss=SORLPolicyLossConfig(clip_norm_scope="global", clip_norm_tau=0.5))
+    _, metrics = compute_policy_loss_so_grpo(old, new, adv, mask, "token-mean", config)
+    out["global"] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
+dist.barrier()
+dist.destroy_process_group()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_compute_the_loss(tmp_path):
+    parts = shards(seed=1)
+    torch.save(parts, tmp_path / "shards.pt")
+    ranks = run_two_ranks(str(tmp_path / "shards.pt"), PIPELINE_SCRIPT, world_size=4)
+    union = [torch.cat([p[i] for p in parts]) for i in range(4)]
+    _, union_metrics = compute_policy_loss_so_grpo(*union, "token-mean", actor("micro_batch"))
+    assert ranks[0] == ranks[1] == {}
+    for result in ranks[2:]:
+        assert abs(result["global"][0] - union_metrics["sorl/clip_bias_norm"]) < 1e-9
+        assert abs(result["global"][1] - union_metrics["sorl/norm_factor"]) < 1e-9
+
+
+# Two data-parallel ranks with different normalizers in one optimizer step: the step factor is the
+# mean of 1/Z over both ranks' micro-batches, so every rank (and every FSDP shard) scales alike.
+OPTIMIZER_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from sorl_verl.algorithms import optim
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+param = torch.nn.Parameter(torch.ones(4))
+opt = optim.SGD([param], lr=0.1)
+opt.zero_grad()
+param.grad = torch.ones(4)
+for z in ([1.0, 1.0] if rank == 0 else [3.0, 2.0]):
+    optim.LEDGER.record(1.0 / z, z, 0.0, 0.0)
+opt.step()
+dist.destroy_process_group()
+print("RESULT" + json.dumps({"scale": opt.last_update["scale"], "param": param.tolist()}))
+"""
+
+
+def test_optimizer_step_factor_is_averaged_over_data_parallel_ranks(tmp_path):
+    ranks = run_two_ranks(str(tmp_path / "unused"), OPTIMIZER_SCRIPT)
+    expected = (1 + 1 + 1 / 3 + 1 / 2) / 4
+    for result in ranks:
+        assert abs(result["scale"] - expected) < 1e-15
+        assert result["param"] == ranks[0]["param"]
