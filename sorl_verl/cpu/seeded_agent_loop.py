@@ -12,10 +12,10 @@ Greedy episodes (validation) and params that already carry a seed are left as th
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-import ray
-from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
 from sorl_verl.trainer.reproducible import episode_seed, prompt_identity
 
@@ -36,18 +36,31 @@ def seeded_sampling_params(
     return {**sampling_params, "seed": episode_seed(run_seed, identity, int(prompt.get("session_id", 0)))}
 
 
-class SeededAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):  # type: ignore[name-defined,misc]
-    """verl's ``AgentLoopWorkerTQ`` that seeds each sampled episode (module docstring)."""
+def install_episode_seeds(worker: Any) -> bool:
+    """Run inside a verl ``AgentLoopWorkerTQ`` actor (``__ray_call__``): seed its sampled episodes.
 
-    async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any):
-        run_seed = int(self.config.actor_rollout_ref.rollout.seed)
+    Wraps the instance's ``_run_agent_loop`` (verl's per-episode entry point, called with the
+    trajectory info and the prompt's fields) so the sampling params gain the episode's seed.
+    The worker is verl's own actor: subclassing it is not possible, because ``ray.remote`` rebinds
+    the class name and the zero-argument ``super()`` in its ``__init__`` then fails in a subclass.
+    """
+    if getattr(worker, "_sorl_episode_seeds", False):
+        return False
+    run_agent_loop = worker._run_agent_loop
+    run_seed = int(worker.config.actor_rollout_ref.rollout.seed)
+
+    async def seeded_run_agent_loop(sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any):
         params = seeded_sampling_params(sampling_params, run_seed, trajectory, kwargs)
-        return await super()._run_agent_loop(params, trajectory, **kwargs)
+        return await run_agent_loop(params, trajectory, **kwargs)
+
+    worker._run_agent_loop = seeded_run_agent_loop
+    worker._sorl_episode_seeds = True
+    return True
 
 
 class SeededAgentLoopManager(AgentLoopManagerTQ):
-    """verl's ``AgentLoopManagerTQ`` with :class:`SeededAgentLoopWorker` workers."""
+    """verl's ``AgentLoopManagerTQ`` whose workers seed every sampled episode (module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.agent_loop_workers_class = ray.remote(SeededAgentLoopWorker)
+    async def _init_agent_loop_workers(self) -> None:
+        await super()._init_agent_loop_workers()
+        await asyncio.gather(*(worker.__ray_call__.remote(install_episode_seeds) for worker in self.agent_loop_workers))
