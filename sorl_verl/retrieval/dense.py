@@ -170,7 +170,8 @@ def build_dense(texts: Iterable[str], out_dir: Path, params: dict[str, Any], sho
     meta["index_type"] = params["index_type"] if not params["prebuilt_index"] else type(index).__name__
     if params["index_type"] == "ivfpq" and not params["prebuilt_index"]:
         ivf = faiss.extract_index_ivf(index)
-        meta.update(nlist=int(ivf.nlist), pq_m=int(faiss.downcast_index(ivf).pq.M))
+        pq = faiss.downcast_index(ivf).pq
+        meta.update(nlist=int(ivf.nlist), pq_m=int(pq.M), pq_nbits=int(pq.nbits))
     (out_dir / DENSE_META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return int(index.ntotal)
 
@@ -207,10 +208,11 @@ def _build_ivfpq(batches: Iterator[np.ndarray], dim: int, params: dict[str, Any]
         if n_head >= train_size:
             break
     train = np.concatenate(head) if head else np.zeros((0, dim), np.float32)
+    if len(train) < 2:
+        raise ValueError(f"ivfpq needs at least 2 passages to train on, got {len(train)}")
     nlist = max(1, min(nlist, len(train) // 39))  # faiss k-means wants >= 39 points per list
-    index = faiss.index_factory(dim, f"IVF{nlist},PQ{pq_m}x8", faiss.METRIC_INNER_PRODUCT)
-    if len(train) == 0:
-        raise ValueError("ivfpq needs at least one passage to train on")
+    nbits = min(8, int(np.log2(len(train))))  # 256 codewords per sub-quantizer, fewer for a tiny corpus
+    index = faiss.index_factory(dim, f"IVF{nlist},PQ{pq_m}x{nbits}", faiss.METRIC_INNER_PRODUCT)
     index.train(train[:train_size])
     index.add(train)
     del train, head

@@ -8,7 +8,6 @@ embeddings computed independently with the same model.
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
@@ -21,6 +20,7 @@ st = pytest.importorskip("sentence_transformers")
 from sorl_verl.retrieval.build import build_index, main  # noqa: E402
 from sorl_verl.retrieval.index import load_searcher  # noqa: E402
 from sorl_verl.retrieval.server import serve_in_background  # noqa: E402
+from sorl_verl.retrieval.tiny_encoder import make_tiny_encoder  # noqa: E402
 
 ANIMALS = ["otter", "heron", "lynx", "bison", "gecko", "puffin", "walrus", "ibex", "marten", "tapir"]
 PLACES = ["marsh", "cliff", "forest", "tundra", "reef", "canyon", "meadow", "delta"]
@@ -32,34 +32,11 @@ def _docs() -> list[str]:
 
 
 def _tiny_model(path: Path, docs: list[str]) -> Path:
-    import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    words = sorted({w for d in docs for w in d.lower().replace('"', " ").split()} | {"query", "passage", ":"})
-    tok_dir = path / "bert"
-    tok_dir.mkdir(parents=True)
-    (tok_dir / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    vocab_arg = "vocab" if "vocab" in inspect.signature(BertTokenizerFast.__init__).parameters else "vocab_file"
-    tokenizer = BertTokenizerFast(**{vocab_arg: str(tok_dir / "vocab.txt")}, do_lower_case=True)
+    words = {w for d in docs for w in d.lower().replace('"', " ").split()}
+    model = make_tiny_encoder(path, words)
+    tokenizer = st.SentenceTransformer(str(model), device="cpu").tokenizer
     assert tokenizer.unk_token_id not in tokenizer("the otter lives")["input_ids"]  # a real word-level vocabulary
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
-    BertModel(config).save_pretrained(tok_dir)
-    tokenizer.save_pretrained(tok_dir)
-    try:  # sentence-transformers >= 6
-        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    except ImportError:
-        from sentence_transformers.models import Pooling, Transformer
-    word = Transformer(str(tok_dir), max_seq_length=48)
-    dim = (
-        word.get_embedding_dimension()
-        if hasattr(word, "get_embedding_dimension")
-        else word.get_word_embedding_dimension()
-    )
-    pooling = Pooling(dim, pooling_mode="mean")
-    st.SentenceTransformer(modules=[word, pooling], device="cpu").save(str(path / "st"))
-    return path / "st"
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +126,66 @@ def test_prebuilt_faiss_index_is_adopted_not_copied(dense_index: tuple[list[str]
     with pytest.raises(ValueError, match=f"{len(docs) - 1} documents"):
         build_index(short, tmp_path / "bad", method="dense", model=str(model_path),
                     prebuilt_index=str(idx / "dense.faiss"), show_progress=False)  # fmt: skip
+
+
+def test_concurrent_requests_share_encoder_calls(dense_index: tuple[list[str], Path, Path]) -> None:
+    """64 concurrent single-query requests: identical answers, far fewer encoder+index calls than requests."""
+    import asyncio
+
+    import aiohttp
+
+    docs, _, idx = dense_index
+    queries = [f"{a} {p} stone {i}" for i, (a, p) in enumerate((a, p) for a in ANIMALS for p in PLACES)][:64]
+    expected = [[h["id"] for h in row] for row in load_searcher(idx).search(queries, 3)]
+
+    async def burst(url: str) -> list[list[str]]:
+        async with aiohttp.ClientSession() as s:
+
+            async def one(q: str) -> list[str]:
+                async with s.post(f"{url}/retrieve", json={"query": q, "topk": 3}) as r:
+                    assert r.status == 200
+                    return [d["id"] for d in (await r.json())["result"][0]]
+
+            return await asyncio.gather(*(one(q) for q in queries))
+
+    for wait_ms, bound in ((20.0, 16), (0.0, 64)):
+        searcher = load_searcher(idx)
+        with serve_in_background(searcher, batch_wait_ms=wait_ms, max_batch=64) as srv:
+            got = asyncio.run(burst(srv.url))
+        assert got == expected
+        calls = searcher.scorer.calls
+        assert (calls <= bound) if wait_ms else (calls == 64), (wait_ms, calls)
+
+
+def test_hnsw_and_ivfpq_indexes(dense_index: tuple[list[str], Path, Path], tmp_path: Path) -> None:
+    docs, model, flat = dense_index
+    corpus = flat / "docs.jsonl"
+    queries = [f"{a} in the {p}" for a in ANIMALS for p in PLACES[:3]]
+    exact = load_searcher(flat).search_ids(queries, 3)
+    for kind, extra, min_recall in (("hnsw", {"hnsw_m": 8}, 0.95), ("ivfpq", {"nlist": 4, "pq_m": 16}, 0.6)):
+        idx = build_index(corpus, tmp_path / kind, method="dense", model=str(model), index_type=kind,
+                          show_progress=False, **extra)  # fmt: skip
+        meta = json.loads((idx / "dense.json").read_text())
+        assert meta["index_type"] == kind and meta["num_docs"] == len(docs)
+        approx = load_searcher(idx, nprobe=4, ef_search=64).search_ids(queries, 3)
+        recall = np.mean([len({p for p, _ in a} & {p for p, _ in e}) / 3 for a, e in zip(approx, exact, strict=True)])
+        assert recall >= min_recall, (kind, recall)
+        assert all(len(row) == 3 and len({p for p, _ in row}) == 3 for row in approx)
+    ivf_meta = json.loads((tmp_path / "ivfpq" / "dense.json").read_text())
+    assert ivf_meta["nlist"] == 2 and ivf_meta["pq_nbits"] == 6  # 80 passages: 80 // 39 lists, 2**6 <= 80 codewords
+    with pytest.raises(ValueError, match="pq_m=5 must divide"):
+        build_index(corpus, tmp_path / "bad", method="dense", model=str(model), index_type="ivfpq", pq_m=5,
+                    show_progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="index_type"):
+        build_index(corpus, tmp_path / "bad", method="dense", model=str(model), index_type="lsh", show_progress=False)
+
+
+def test_serve_time_options_are_checked(dense_index: tuple[list[str], Path, Path]) -> None:
+    _, _, idx = dense_index
+    if faiss.get_num_gpus() == 0:
+        with pytest.raises(RuntimeError, match="GPU build of faiss"):
+            load_searcher(idx, faiss_gpu=True)
+    with pytest.raises(ValueError, match="unknown serve-time dense option"):
+        load_searcher(idx, index_type="hnsw")
+    with pytest.raises(ValueError, match="nprobe=0"):
+        load_searcher(idx, nprobe=0)
