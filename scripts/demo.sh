@@ -96,7 +96,7 @@ VERL_FILE_LOGGER_PATH=$METRICS python -m verl.trainer.main_ppo \
   trainer.save_freq="$STEPS" \
   "${ALGO_ARGS[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 &
 TRAIN_PID=$!
-python scripts/demo_summary.py follow "$METRICS" --pid "$TRAIN_PID" --steps "$STEPS" || true
+python scripts/demo_summary.py follow "$METRICS" --pid "$TRAIN_PID" --steps "$STEPS" --updates "$CKPT/sorl_updates.jsonl" || true
 set +e
 wait "$TRAIN_PID"
 RC=$?
@@ -108,6 +108,6 @@ if [ "$RC" -ne 0 ]; then
 fi
 cleanup
 trap - EXIT INT TERM
-python scripts/demo_summary.py summary "$METRICS" --log "$LOG" --ckpt "$CKPT" || true
+python scripts/demo_summary.py summary "$METRICS" --log "$LOG" --ckpt "$CKPT" --updates "$CKPT/sorl_updates.jsonl" || true
 echo "[demo] wall time $(( $(date +%s) - T0 )) s"
 exit "$RC"
