@@ -1,13 +1,17 @@
 """verl agent loop ``search_r1``: think -> search -> information -> ... -> answer.
 
-The whole episode is one assistant message (Search-R1 style). Per model turn:
+The whole episode is one assistant message (Search-R1 style). Before the first turn of a worker
+process, one preflight search (:mod:`sorl_verl.agent.retrieval_guard`). Per model turn:
 
-1. generate from ``prompt + response so far`` with ``max_tokens`` = remaining response budget;
+1. generate from ``prompt + response so far`` with ``max_tokens`` = remaining response budget,
+   at most ``max_tokens_per_turn`` when that is set;
 2. cut the generated tokens right after the first token that completes ``</search>`` or
    ``</answer>`` (tokens and their log-probs are cut together), append them with mask 1;
 3. act: ``</answer>`` ends the episode; a search query goes to the retrieval server and its
    (escaped, length-capped) result is appended as ``information_block(...)`` tokens with
-   mask 0 and log-prob 0; anything else gets a corrective observation (mask 0).
+   mask 0 and log-prob 0 (and counted by the failure-rate guard); anything else gets a
+   corrective observation (mask 0), inside an information block or as plain text
+   (``feedback_format``).
 
 So the policy's turns are exactly the maximal runs of response_mask == 1 (SORL-SPEC.md), and
 response_ids / response_mask / response_logprobs always have the same length (capped at
@@ -31,7 +35,15 @@ from sorl_verl.agent.actions import (
     parse_action,
     turn_well_formed,
 )
-from sorl_verl.agent.prompts import INFO_CLOSE, INFO_OPEN, STOP_SEQUENCES, information_block
+from sorl_verl.agent.prompts import (
+    INFO_CLOSE,
+    INFO_OPEN,
+    STOP_SEQUENCES,
+    InstructionTemplate,
+    information_block,
+    load_instruction_template,
+)
+from sorl_verl.agent.retrieval_guard import RetrievalGuard, search_failed, shared_guard
 from sorl_verl.agent.settings import SearchAgentSettings
 
 TRUNCATION_MARK = " ...(truncated)"
@@ -112,6 +124,12 @@ class SearchR1AgentLoop(AgentLoopBase):
         self.server_stop = self.settings.server_stop == "on" or (
             self.settings.server_stop == "auto" and self.rollout_config.name in ("vllm", "sglang", "hf")
         )
+        path = self.settings.instruction_template
+        self.template: InstructionTemplate | None = load_instruction_template(path) if path else None
+        if self.settings.feedback_format == "plain":
+            self._feedback_ids = self._encode(f"\n{INVALID_ACTION_FEEDBACK}\n")[: self.settings.max_obs_tokens]
+        else:
+            self._feedback_ids = self.observation_ids(INVALID_ACTION_FEEDBACK, escape=False)
 
     # --- token helpers ------------------------------------------------------------------
 
@@ -172,15 +190,46 @@ class SearchR1AgentLoop(AgentLoopBase):
     def _budget_left(self, response_ids: list[int]) -> bool:
         return len(response_ids) < self.response_length
 
-    async def _search(self, query: str) -> str:
+    def _searcher(self) -> Searcher:
         if self.searcher is None:
             self.searcher = shared_client(self.settings, self.loop)
-        return await self.searcher.search(query, self.settings.topk)
+        return self.searcher
+
+    def _guard(self) -> RetrievalGuard:
+        s = self.settings
+        return shared_guard(s.retrieval_url, s.search_failure_window, s.max_search_failure_rate, self.loop)
+
+    async def _search(self, query: str) -> str:
+        observation = await self._searcher().search(query, self.settings.topk)
+        self._guard().record(search_failed(observation), observation)
+        return observation
+
+    def _messages(self, kwargs: dict[str, Any]) -> list[Any]:
+        """The row's chat messages; with ``instruction_template`` the last user message is rebuilt
+        from the template, the row's ``extra_info.question`` and its options (multiple choice)."""
+        messages = list(kwargs["raw_prompt"])
+        if self.template is None:
+            return messages
+        question = (kwargs.get("extra_info") or {}).get("question")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(
+                f"instruction_template {self.template.path}: the row has no extra_info.question "
+                "(rows written by sorl_verl.data.convert and the synthetic world have it)"
+            )
+        ground_truth = (kwargs.get("reward_model") or {}).get("ground_truth")
+        options = ground_truth.get("options") if isinstance(ground_truth, dict) else None
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("instruction_template: the row's prompt has no user message to replace")
+        messages[users[-1]] = {**messages[users[-1]], "content": self.template.render(question, options)}
+        return messages
 
     # --- the loop -----------------------------------------------------------------------
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        messages = list(kwargs["raw_prompt"])
+        messages = self._messages(kwargs)
+        if self.settings.retrieval_preflight:
+            await self._guard().preflight(self._searcher())
         prompt_ids = await self.ct_build_initial_tokens(messages)
         request_id = uuid4().hex
         metrics: dict[str, Any] = {}
@@ -197,6 +246,8 @@ class SearchR1AgentLoop(AgentLoopBase):
             budget = self.response_length - len(response_ids)
             if budget <= 0:
                 break
+            if self.settings.max_tokens_per_turn:
+                budget = min(budget, self.settings.max_tokens_per_turn)
             with simple_timer("generate_sequences", metrics):
                 out = await self.server_manager.generate(
                     request_id=request_id,
@@ -237,7 +288,7 @@ class SearchR1AgentLoop(AgentLoopBase):
                 searches += 1
                 obs_ids = self.observation_ids(observation)
             else:
-                obs_ids = self.observation_ids(INVALID_ACTION_FEEDBACK, escape=False)
+                obs_ids = list(self._feedback_ids)
             response_ids += obs_ids
             mask += [0] * len(obs_ids)
             if logprobs is not None:

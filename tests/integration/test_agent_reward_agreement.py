@@ -110,6 +110,7 @@ async def _episode(turns: list[str], documents: list[str], max_turns: int, respo
         searcher=HostileDocuments(documents),
         max_turns=max_turns,
         max_obs_tokens=64,
+        retrieval_preflight=False,  # every search answers with a hostile document, none is a probe
     )
     prompt = [{"role": "user", "content": qa_prompt("What is the capital of France?")}]
     return await loop.run({"temperature": 1.0, "logprobs": True}, raw_prompt=prompt)

@@ -240,7 +240,13 @@ async def test_total_length_cap_keeps_alignment(tokenizer: Any, server: Any) -> 
 async def test_search_failure_becomes_observation(tokenizer: Any) -> None:
     llm = ScriptedLLMServer(tokenizer, ["<search>anything</search>", "<answer>guess</answer>"])
     loop = make_loop(
-        tokenizer, llm, "http://127.0.0.1:9/retrieve", search_retries=1, search_backoff=0.0, search_timeout=2.0
+        tokenizer,
+        llm,
+        "http://127.0.0.1:9/retrieve",
+        search_retries=1,
+        search_backoff=0.0,
+        search_timeout=2.0,
+        retrieval_preflight=False,  # this test is about the observation; the preflight would stop it
     )
     out = await run_episode(loop)
     text = tokenizer.decode(out.response_ids)
