@@ -79,9 +79,35 @@ def validate_knobs(
     _one_of("clip_norm_apply", clip_norm_apply, CLIP_NORM_APPLY)
 
 
+#: losses whose importance ratio (and normalizer) is defined per turn of the response mask
+TURN_LOSS_MODES = ("turn_ppo", "so_ppo", "so_grpo")
+
+
+def check_rejection_sampling(loss_mode: Any, rollout_rs: Any) -> None:
+    """Refuse verl's token-level rollout rejection sampling with a turn-level loss.
+
+    ``token_k*`` options set ``response_mask`` to 0 on single rejected tokens, which would split
+    a turn in two for the segmentation of both the loss and the turn-level GAE; sequence-level
+    options (``seq_*``) drop whole rows and keep turns intact.
+    """
+    if loss_mode not in TURN_LOSS_MODES or not rollout_rs:
+        return
+    token_level = [o.strip() for o in str(rollout_rs).split(",") if o.strip().startswith("token")]
+    if token_level:
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_rs={rollout_rs!r} masks single tokens ({', '.join(token_level)}), "
+            f"which splits the turns that actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} computes its "
+            "ratios on: use a sequence-level option (seq_mean_k1, seq_sum_k3, ...) or loss_mode=s_ppo"
+        )
+
+
 @dataclass
 class SORLPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the SORL knobs, validated on construction."""
+    """verl's ``PolicyLossConfig`` plus the SORL knobs, validated on construction.
+
+    ``rollout_rs`` mirrors ``algorithm.rollout_correction.rollout_rs`` (``sorl_trainer.yaml``
+    interpolates it) so that token-level rejection sampling with a turn-level loss fails at start-up.
+    """
 
     clip_norm_mode: str = "max"
     clip_norm_tau: float = 1.0
@@ -89,12 +115,14 @@ class SORLPolicyLossConfig(PolicyLossConfig):
     log_ratio_clamp: float = 20.0
     clip_norm_reference: str = "absolute"
     clip_norm_apply: str = "update"
+    rollout_rs: str | None = None
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:
             parent_post_init()
         validate_knobs(**knob_values(self))
+        check_rejection_sampling(self.loss_mode, self.rollout_rs)
 
 
 def _lookup(container: Any, key: str) -> Any:

@@ -161,3 +161,20 @@ def test_main_ppo_stops_at_start_up_naming_the_bad_knob(cli_runs, label, needle)
     assert rc != 0
     assert needle in text, text[-3000:]
     assert "ray init kwargs" not in text  # stopped before Ray was started
+
+
+@pytest.mark.parametrize("loss_mode", ["so_grpo", "turn_ppo"])
+def test_token_level_rejection_sampling_with_turn_loss_is_refused_naming_the_keys(loss_mode):
+    """verl's token_k* rejection zeroes single tokens of response_mask, which would split turns."""
+    overrides = [
+        f"{KNOB}.loss_mode={loss_mode}",
+        "algorithm.rollout_correction.rollout_rs='seq_mean_k1,token_k1'",
+        "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+    ]
+    with pytest.raises(Exception) as err:
+        actor_config(*overrides)
+    assert "algorithm.rollout_correction.rollout_rs='seq_mean_k1,token_k1'" in str(err.value)
+    assert f"loss_mode='{loss_mode}'" in str(err.value)
+    # sequence-level rejection keeps turns whole; s_ppo's token ratio does not care
+    assert actor_config(overrides[0], "algorithm.rollout_correction.rollout_rs=seq_mean_k1").policy_loss.rollout_rs
+    assert actor_config(f"{KNOB}.loss_mode=s_ppo", *overrides[1:]).policy_loss.loss_mode == "s_ppo"
