@@ -17,6 +17,7 @@ import torch
 from verl.trainer.ppo.core_algos import compute_gae_advantage_return, compute_policy_loss_vanilla
 from verl.workers.config import ActorConfig
 
+from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.advantages import compute_turn_gae_advantage_return
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
@@ -79,11 +80,15 @@ def main() -> None:
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=SORLPolicyLossConfig()
     )
 
+    # the default clip_norm_apply=update publishes 1/Z to the actor's update-scaled optimizer, as in verl
+    optimizer = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
     def step(loss_fn: Callable) -> Callable[[], None]:
         def run() -> None:
             log_prob = log_prob_data.clone().requires_grad_(True)
             loss, _ = loss_fn(old_log_prob, log_prob, advantages, mask, "token-mean", config)
             loss.backward()
+            optimizer.zero_grad()  # drops this step's records
 
         return run
 
