@@ -6,7 +6,7 @@ A run record (``runs[i]`` of stability.json)::
     initial_val_score, final_val_score, peak_val_score, val_scores [[step, score], ...],
     final_val_by_source {source: score}, steps (last step logged), steps_planned, wall_s,
     exit_code, lr, mean_norm_factor, mean_update_scale, mean_loss_scale, max_sorl_clipfrac
-    (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl
+    (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl, max_staleness (model versions), mean_rollout_probs_diff
 
 ``final_val_score`` is the validation score (mean over data sources) at the last validation;
 ``peak_val_score`` the maximum over all validations, step 0 included. ``lr_match`` gives, per
@@ -102,6 +102,8 @@ def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
             ),
             "max_pg_clipfrac": _max(v for _, v in trace.series("actor/pg_clipfrac")),
             "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
+            "max_staleness": _max(v for _, v in trace.series("training/off_policy/trajectory_staleness/max")),
+            "mean_rollout_probs_diff": _mean(v for _, v in trace.series("training/rollout_probs_diff_mean")),
         }
     )
 

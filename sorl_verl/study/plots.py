@@ -1,9 +1,10 @@
 """One PNG per regime: per algorithm, the mean over seeds and the min-max band, metric vs step.
 
 Panels (a panel no run of the regime logged is left out): validation score (mean over data
-sources, the collapse rule's threshold is not drawn: it is relative to each run's own peak),
-training reward, turn clip fraction, Z, SORL update scale, ppo_kl, grad norm, entropy, response
-length. At a step, the mean and band are over the seeds that logged it. Colours are fixed per
+sources; the collapse threshold is not drawn, it is relative to each run's own peak), training
+reward, SORL and PPO clip fractions, Z, SORL update scale, ppo_kl, grad norm, entropy, response
+length, rollout staleness (async regimes), rollout-vs-actor probability difference (mismatch
+regime). At a step, the mean and band are over the seeds that logged it. Colours are fixed per
 algorithm across the figures of one study.
 """
 
@@ -29,6 +30,8 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("grad norm (actor/grad_norm)", ("actor/grad_norm",), True),
     ("entropy (actor/entropy)", ("actor/entropy",), False),
     ("response length (mean tokens)", ("response_length/mean",), False),
+    ("rollout staleness (model versions, mean)", ("training/off_policy/trajectory_staleness/mean",), False),
+    ("rollout vs actor prob. diff (mean)", ("training/rollout_probs_diff_mean",), True),
 )
 
 
@@ -99,7 +102,7 @@ def plot_regime(
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.tick_params(labelsize=7)
+        ax.tick_params(which="both", labelsize=7)
         ax.grid(alpha=0.3)
         if log_y and positive:
             ax.set_yscale("log")

@@ -305,6 +305,10 @@ def run_cell(
             record.update(status="interrupted", exit_code=proc.returncode, wall_s=round(time.monotonic() - t0, 1))
             write_record(directory, record)
             raise
+    # leftovers of main_ppo's session (a Ray process that outlived the driver) would hold memory
+    # after the lock is released; they are ours: same process group
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     trace = read_trace(directory / METRICS)
     wall = time.monotonic() - t0
     complete = exit_code == 0 and trace.last_step >= grid.steps
