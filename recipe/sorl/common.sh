@@ -290,7 +290,12 @@ sorl_build_args() {
     "sorl.agent.max_obs_tokens=$MAX_OBS_LENGTH"
   )
   sorl_algo_args
-  [[ $PLATFORM == gpu ]] && sorl_engine_args
+  if [[ $PLATFORM == gpu ]]; then
+    sorl_engine_args
+  else
+    # the CPU overlay sizes the actor; the reference policy (KL loss) needs its micro-batch too
+    SORL_ARGS+=("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$LOG_PROB_MICRO_BATCH_SIZE")
+  fi
   sorl_offpolicy_args
   [[ $PLATFORM == gpu ]] && SORL_ARGS+=(
     "trainer.nnodes=$NNODES"

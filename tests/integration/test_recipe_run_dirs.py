@@ -281,6 +281,23 @@ def test_impossible_gpu_plans_exit_2_with_the_numbers(script, env, message):
     assert message in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.parametrize("algo", ["so_grpo", "grpo"])
+def test_cpu_platform_command_passes_verl_s_checks(algo, tmp_path):
+    """What main_ppo runs first (compose + validate_config), on the PLATFORM=cpu command (the KL
+    loss of the GRPO family needs the reference policy's micro-batch, which the overlay lacks)."""
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    proc = run(MAIN, PLATFORM="cpu", ALGO=algo, OUTPUT_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    with initialize_config_dir(config_dir=argv[3].removeprefix("--config-path="), version_base=None):
+        cfg = compose(config_name="sorl_trainer", overrides=argv[5:])
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.trainer.device == "cpu"
+
+
 def test_cpu_platform_has_no_gpu_plan_and_leaves_sizes_to_the_overlay():
     got = plan(MAIN, PLATFORM="cpu")
     assert got["plan"].startswith("none (PLATFORM=cpu")
