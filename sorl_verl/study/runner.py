@@ -344,8 +344,8 @@ def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
     return "pending"
 
 
-def prepare_inputs(lock: str | None, log: TextIO) -> tuple[Inputs, Any]:
-    """Build/load the embedded default (under the heavy lock) and start the retrieval server.
+def prepare_inputs(log: TextIO) -> tuple[Inputs, Any]:
+    """Build/load the embedded default and start the retrieval server (call it under the heavy lock).
 
     Returns the inputs and the server (``.stop()`` it when done).
     """
@@ -353,10 +353,9 @@ def prepare_inputs(lock: str | None, log: TextIO) -> tuple[Inputs, Any]:
     from sorl_verl.data.embedded import ensure_embedded_default
     from sorl_verl.retrieval.server import serve_in_background
 
-    with flocked(lock, lambda: print(f"[study] waiting for {lock} (embedded default)", file=log, flush=True)):
-        with contextlib.redirect_stdout(sys.stderr):
-            paths = ensure_embedded_default()
-        model = chatml_alias(paths.model_dir)
+    with contextlib.redirect_stdout(sys.stderr):
+        paths = ensure_embedded_default()
+    model = chatml_alias(paths.model_dir)
     server = serve_in_background(paths.index_dir, subprocess_mode=True)
     print(f"[study] retrieval server {server.retrieve_url} (pid {server.pid})", file=log, flush=True)
     inputs = Inputs(
@@ -398,7 +397,8 @@ def run_grid(
     """Run ``cells`` in order (done ones skipped); counts of the final states of these cells.
 
     ``inputs``: give them to skip the embedded default and the server (tests); by default they
-    are prepared on the first cell that has to run and the server is stopped at the end.
+    are prepared under the lock of the first cell that has to run, and the server is stopped at
+    the end.
     """
     timeout_s = timeout_s or default_timeout_s(grid)
     counts = {"done": 0, "failed": 0, "unfilled": 0, "ran": 0}
@@ -419,12 +419,12 @@ def run_grid(
                     counts["unfilled"] += 1
                     print(f"{tag} skipped: {', '.join(cell.unfilled)} still '???' in the grid", file=log, flush=True)
                     continue
-                if inputs is None:
-                    inputs, server = prepare_inputs(lock, log)
                 if state == "interrupted":
                     print(f"{tag} was interrupted: restarting from scratch", file=log, flush=True)
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
+                    if inputs is None:  # first cell to run: embedded default (built on first use) + server
+                        inputs, server = prepare_inputs(log)
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)
