@@ -5,7 +5,7 @@ A run record (``runs[i]`` of stability.json)::
     algorithm, regime, seed, status (done|failed), collapsed, judged, reason, onset_step,
     initial_val_score, final_val_score, peak_val_score, val_scores [[step, score], ...],
     final_val_by_source {source: score}, steps (last step logged), steps_planned, wall_s,
-    exit_code, lr, mean_norm_factor, mean_update_scale, mean_loss_scale, max_sorl_clipfrac
+    exit_code, grid_changed (override keys edited in the grid since the run), lr, mean_norm_factor, mean_update_scale, mean_loss_scale, max_sorl_clipfrac
     (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl, max_staleness (model versions), mean_rollout_probs_diff
 
 ``final_val_score`` is the validation score (mean over data sources) at the last validation;
@@ -147,10 +147,18 @@ def lr_match(runs: Sequence[dict[str, Any]], reference: str = "so_grpo") -> dict
 
 
 def stability(
-    found: Sequence[tuple[dict[str, Any], Trace]], study: str, command: str, pending: Sequence[str] = ()
+    found: Sequence[tuple[dict[str, Any], Trace]],
+    study: str,
+    command: str,
+    pending: Sequence[str] = (),
+    changed: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """The content of stability.json."""
-    runs = [run_record(rec, trace) for rec, trace in found]
+    """The content of stability.json; ``changed``: cell key -> overrides the grid has changed since the run."""
+    runs = []
+    for rec, trace in found:
+        run = run_record(rec, trace)
+        run["grid_changed"] = (changed or {}).get(rec.get("key", ""), [])
+        runs.append(run)
     runs.sort(key=lambda r: (r["regime"], r["algorithm"], r["seed"]))
     return {
         "study": study,

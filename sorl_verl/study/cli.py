@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the grid's cells (default command)")
     common(run)
     run.add_argument("--retry-failed", action="store_true", help="re-run cells recorded as failed")
+    run.add_argument(
+        "--rerun-changed", action="store_true", help="re-run finished cells whose overrides the grid has changed"
+    )
     run.add_argument("--lock", default="/tmp/sorl-heavy.lock", help="flock file taken per cell, or 'none'")
     run.add_argument("--cell-timeout", type=float, help="wall limit of one cell in s (default from steps)")
     run.add_argument("--dry-run", action="store_true", help="list the selected cells and their overrides")
@@ -86,7 +89,15 @@ def _cmd_run(a: argparse.Namespace, grid: Grid) -> int:
     lock = None if a.lock.lower() in ("", "none") else a.lock
     print(f"[study] {grid.name}: {len(cells)} cells -> {out}", flush=True)
     try:
-        counts = run_grid(grid, out, cells, lock=lock, retry_failed=a.retry_failed, timeout_s=a.cell_timeout)
+        counts = run_grid(
+            grid,
+            out,
+            cells,
+            lock=lock,
+            retry_failed=a.retry_failed,
+            rerun_changed=a.rerun_changed,
+            timeout_s=a.cell_timeout,
+        )
     except StudyBusy as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -96,15 +107,15 @@ def _cmd_run(a: argparse.Namespace, grid: Grid) -> int:
         return code
     print(
         f"[study] {grid.name}: {counts['ran']} run now; {counts['done']} done, {counts['failed']} failed, "
-        f"{counts['unfilled']} unfilled of {len(cells)} selected",
+        f"{counts['unfilled']} unfilled, {counts['changed']} changed of {len(cells)} selected",
         flush=True,
     )
-    return 1 if counts["failed"] else 0
+    return 1 if counts["failed"] or counts["changed"] else 0
 
 
 def _cmd_status(a: argparse.Namespace, grid: Grid) -> int:
     from sorl_verl.study.metrics import read_trace
-    from sorl_verl.study.runner import METRICS, cell_dir, cell_state, read_record, study_running
+    from sorl_verl.study.runner import METRICS, cell_dir, cell_state, changed_keys, read_record, study_running
 
     out = _out_dir(grid, a.out)
     live = study_running(out)
@@ -124,7 +135,7 @@ def _cmd_status(a: argparse.Namespace, grid: Grid) -> int:
                 "wall_s": rec.get("wall_s"),
                 "final_val_score": vals[-1][1] if vals else None,
                 "exit_code": rec.get("exit_code"),
-                "reason": rec.get("reason", "") or (", ".join(c.unfilled) + " = ???" if c.unfilled else ""),
+                "reason": _status_reason(state, rec, c, changed_keys(rec, c)),
             }
         )
     if a.json:
@@ -146,8 +157,17 @@ def _cmd_status(a: argparse.Namespace, grid: Grid) -> int:
     return 0
 
 
+def _status_reason(state: str, rec: dict, cell, changed: list[str]) -> str:
+    if state == "changed":
+        return "grid changed since the run: " + ", ".join(changed)
+    if state == "unfilled":
+        return ", ".join(cell.unfilled) + " = ???"
+    return rec.get("reason", "")
+
+
 def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     from sorl_verl.study.aggregate import collect, markdown_table, stability, write_stability
+    from sorl_verl.study.runner import changed_keys
 
     out = _out_dir(grid, a.out)
     root = _repo_root(grid)
@@ -166,7 +186,13 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     finished = {rec["key"] for rec, _ in found}
     grid_arg = str(grid.path.relative_to(root)) if root is not None else str(grid.path)
     command = f"python -m sorl_verl.study --grid {grid_arg}" + "".join(f" --only {p}" for p in a.only)
-    data = stability(found, grid.name, command, pending=[c.key for c in cells if c.key not in finished])
+    by_key = {c.key: c for c in cells}
+    changed = {rec["key"]: keys for rec, _ in found if (keys := changed_keys(rec, by_key[rec["key"]]))}
+    for key, keys in changed.items():
+        print(f"warning: {key} ran with other {', '.join(keys)} than the grid has now", file=sys.stderr)
+    data = stability(
+        found, grid.name, command, pending=[c.key for c in cells if c.key not in finished], changed=changed
+    )
     path = write_stability(data, results / f"{a.name}.json")
     table = markdown_table(data["runs"])
     (results / f"{a.name}_table.md").write_text(table)

@@ -14,7 +14,9 @@ so other heavy jobs can interleave)::
 Run directory ``<out>/<regime>/<algorithm>/seed<k>/``: ``metrics.jsonl``, ``train.log`` and
 ``cell.json`` (command, overrides, status, exit code, wall time, last log lines). Status
 ``done`` (exit 0 and every step logged) is the completed marker: such a cell is skipped.
-``failed`` is recorded and the grid goes on (re-run with ``retry_failed``). A cell found
+``failed`` is recorded and the grid goes on (re-run with ``retry_failed``). A finished cell
+whose overrides differ from the grid's now is ``changed``: skipped and reported unless
+``rerun_changed``. A cell found
 ``running`` or ``interrupted`` was cut off: it is restarted from scratch.
 """
 
@@ -332,11 +334,25 @@ def run_cell(
 # --- the grid -------------------------------------------------------------------------------
 
 
+def changed_keys(record: dict[str, Any], cell: Cell) -> list[str]:
+    """Override keys whose value in the recorded run differs from the grid's cell now."""
+    ran = record.get("overrides")
+    if not isinstance(ran, dict):
+        return []
+    now = dict(cell.overrides)
+    return sorted(k for k in set(ran) | set(now) if ran.get(k) != now.get(k))
+
+
 def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
-    """done | failed | unfilled | pending | running (``live``: a study process holds ``out``) | interrupted."""
-    status = read_record(cell_dir(out, cell)).get("status")
+    """done | failed | changed | unfilled | pending | running | interrupted.
+
+    ``changed``: finished (done or failed) with overrides that differ from the grid's now (the
+    grid was edited since); ``running`` only when ``live`` (a study process holds ``out``).
+    """
+    record = read_record(cell_dir(out, cell))
+    status = record.get("status")
     if status in ("done", "failed"):
-        return status
+        return "changed" if changed_keys(record, cell) else status
     if cell.unfilled:
         return "unfilled"
     if status in ("running", "interrupted"):
@@ -390,6 +406,7 @@ def run_grid(
     *,
     lock: str | None = DEFAULT_LOCK,
     retry_failed: bool = False,
+    rerun_changed: bool = False,
     timeout_s: float | None = None,
     log: TextIO = sys.stdout,
     inputs: Inputs | None = None,
@@ -401,7 +418,7 @@ def run_grid(
     the end.
     """
     timeout_s = timeout_s or default_timeout_s(grid)
-    counts = {"done": 0, "failed": 0, "unfilled": 0, "ran": 0}
+    counts = {"done": 0, "failed": 0, "unfilled": 0, "changed": 0, "ran": 0}
     server = None
     n = len(cells)
     with study_lock(out), _terminate_as_exit():
@@ -414,6 +431,11 @@ def run_grid(
                     rec = read_record(cell_dir(out, cell))
                     extra = "" if state == "done" else f": {rec.get('reason', '')} (--retry-failed re-runs it)"
                     print(f"{tag} {state}, skipped{extra}", file=log, flush=True)
+                    continue
+                if state == "changed" and not rerun_changed:
+                    counts["changed"] += 1
+                    keys = changed_keys(read_record(cell_dir(out, cell)), cell)
+                    print(f"{tag} skipped: ran with other {', '.join(keys)} (--rerun-changed)", file=log, flush=True)
                     continue
                 if state == "unfilled":
                     counts["unfilled"] += 1

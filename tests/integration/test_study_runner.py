@@ -21,6 +21,7 @@ from sorl_verl.study.runner import (
     StudyBusy,
     cell_command,
     cell_dir,
+    cell_state,
     read_record,
     run_grid,
     study_lock,
@@ -66,11 +67,25 @@ def test_skips_without_starting_anything(tmp_path):
     write_record(cell_dir(out, cells["grpo"]), {"status": "failed", "reason": "x", "wall_s": 1.0})
     log = io.StringIO()
     counts = run_grid(grid, out, [cells[a] for a in ("so_grpo", "grpo", "grpo_lowlr")], lock=None, log=log)
-    assert counts == {"done": 1, "failed": 1, "unfilled": 1, "ran": 0}
+    assert counts == {"done": 1, "failed": 1, "unfilled": 1, "changed": 0, "ran": 0}
     text = log.getvalue()
     assert "[study 1/3 on_policy/so_grpo/seed1] done, skipped" in text
     assert "--retry-failed" in text and "actor_rollout_ref.actor.optim.lr still '???'" in text
     assert not (out / "on_policy" / "grpo_lowlr").exists()
+
+
+def test_a_cell_the_grid_changed_since_it_ran_is_not_silently_kept(tmp_path):
+    grid = load_grid(grid_file(tmp_path))
+    out = tmp_path / "out"
+    cell = next(c for c in grid.cells if c.algorithm == "so_grpo")
+    ran_with = {**cell.overrides, "actor_rollout_ref.actor.optim.lr": "0.001"}
+    write_record(cell_dir(out, cell), {"status": "done", "wall_s": 1.0, "overrides": ran_with})
+    assert cell_state(out, cell) == "changed"
+    log = io.StringIO()
+    assert run_grid(grid, out, [cell], lock=None, log=log)["changed"] == 1
+    assert "skipped: ran with other actor_rollout_ref.actor.optim.lr (--rerun-changed)" in log.getvalue()
+    write_record(cell_dir(out, cell), {"status": "done", "wall_s": 1.0, "overrides": dict(cell.overrides)})
+    assert cell_state(out, cell) == "done"
 
 
 def test_cell_command_is_the_demo_command(tmp_path):
@@ -108,7 +123,7 @@ def test_interrupted_cell_restarts_and_a_failure_is_recorded(tmp_path):
     write_record(cell_dir(out, cells["so_grpo"]), {"status": "done", "wall_s": 1.0})
     log = io.StringIO()
     counts = run_grid(grid, out, [cells["bad_tau"], cells["so_grpo"]], lock=None, log=log, inputs=NO_INPUTS)
-    assert counts == {"done": 1, "failed": 1, "unfilled": 0, "ran": 1}
+    assert counts == {"done": 1, "failed": 1, "unfilled": 0, "changed": 0, "ran": 1}
     rec = read_record(bad)
     assert rec["status"] == "failed" and rec["exit_code"] == 1 and rec["steps_done"] == 0
     assert any("clip_norm_tau=0 is invalid" in line for line in rec["log_tail"])

@@ -12,6 +12,7 @@ import pytest
 from sorl_verl.study import cli
 from sorl_verl.study.aggregate import collect, lr_match, markdown_table, stability, write_stability
 from sorl_verl.study.collapse import CRITERION
+from sorl_verl.study.grid import load_grid
 from sorl_verl.study.runner import write_record
 
 LR = "actor_rollout_ref.actor.optim.lr"
@@ -28,6 +29,18 @@ def train(step: int, reward: float, z: float | None = None, **extra: float) -> d
     return {"step": step, "data": data | extra}
 
 
+def grid_overrides(seed: int) -> dict[str, str]:
+    """The overrides grid_file() gives cell hot/<algorithm>/seed<seed> (its runs record them)."""
+    return {
+        "trainer.total_training_steps": "4",
+        "trainer.test_freq": "2",
+        "data.val_max_samples": "96",
+        "data.val_batch_size": "96",
+        LR: "0.0005",
+        "data.seed": str(seed),
+    }
+
+
 def make_cell(out: Path, regime: str, algorithm: str, seed: int, records: list[dict], **rec) -> Path:
     d = out / regime / algorithm / f"seed{seed}"
     d.mkdir(parents=True)
@@ -41,7 +54,7 @@ def make_cell(out: Path, regime: str, algorithm: str, seed: int, records: list[d
         "status": "done",
         "exit_code": 0,
         "wall_s": 100.0 + seed,
-        "overrides": {LR: "0.0005"},
+        "overrides": grid_overrides(seed),
     }
     write_record(d, base | rec)
     return d
@@ -117,9 +130,9 @@ def test_update_scale_logged_wins_over_one_over_z():
 
 
 def grid_file(tmp_path: Path) -> Path:
-    (tmp_path / "config").mkdir()
+    (tmp_path / "config").mkdir(exist_ok=True)
     (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir()
+    (tmp_path / "study").mkdir(exist_ok=True)
     path = tmp_path / "study" / "g.yaml"
     path.write_text(
         textwrap.dedent(
@@ -128,7 +141,7 @@ def grid_file(tmp_path: Path) -> Path:
             steps: 4
             test_freq: 2
             seed_keys: [data.seed]
-            regimes: {hot: {}}
+            regimes: {hot: {overrides: {actor_rollout_ref.actor.optim.lr: 5.0e-4}}}
             algorithms: {grpo: {}, so_grpo: {}, gspo: {}, cispo: {}, ppo: {}}
             cells: [{regimes: [hot], algorithms: [grpo, so_grpo, gspo, cispo, ppo], seeds: [1, 2]}]
             """
@@ -176,6 +189,18 @@ def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, capsys):
         == 0
     )
     assert {r["algorithm"] for r in json.loads((res / "x.json").read_text())["runs"]} == {"so_grpo"}
+
+
+def test_records_match_the_grid_and_an_edited_grid_is_flagged(study, tmp_path, capsys):
+    grid = load_grid(grid_file(tmp_path))
+    assert all(dict(c.overrides) == grid_overrides(c.seed) for c in grid.cells)
+    path = grid_file(tmp_path)
+    path.write_text(path.read_text().replace("5.0e-4", "2.5e-4"))
+    res = tmp_path / "results"
+    assert cli.main(["aggregate", "--grid", str(path), "--out", str(study), "--results", str(res), "--no-plots"]) == 0
+    assert f"warning: hot/grpo/seed1 ran with other {LR} than the grid has now" in capsys.readouterr().err
+    runs = json.loads((res / "stability.json").read_text())["runs"]
+    assert all(r["grid_changed"] == [LR] for r in runs)
 
 
 def test_cli_aggregate_with_nothing_finished(tmp_path, capsys):
