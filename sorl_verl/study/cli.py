@@ -1,7 +1,8 @@
 """``python -m sorl_verl.study`` / ``sorl-verl study``: run, inspect and aggregate a study grid.
 
     python -m sorl_verl.study [run] --grid recipe/sorl/study/stress.yaml [--out DIR] [--only PAT ...]
-                                    [--retry-failed] [--lock PATH|none] [--cell-timeout S] [--dry-run]
+                                    [--retry-failed] [--rerun-changed] [--lock PATH|none]
+                                    [--cell-timeout S] [--dry-run]
     python -m sorl_verl.study status --grid G [--out DIR] [--only PAT ...]
     python -m sorl_verl.study aggregate --grid G [--out DIR] [--only PAT ...] [--results docs/results]
 
@@ -12,7 +13,10 @@ per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study
 under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png`` and
 ``stability_table.md`` (names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``.
-Exit status: 0 ok, 1 a selected cell failed (run) or none finished (aggregate), 2 bad input.
+A finished cell whose overrides the grid has changed since is ``changed``: ``run`` skips it
+(``--rerun-changed`` re-runs it), ``status`` names the keys, ``aggregate`` warns and records them.
+Exit status: 0 ok, 1 a selected cell failed or is changed (run) or none finished (aggregate),
+2 bad input (the grid file and line named).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ COMMANDS = ("run", "status", "aggregate")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="sorl-verl study", description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="sorl-verl study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
 
