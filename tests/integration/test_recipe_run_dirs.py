@@ -27,7 +27,7 @@ RECIPE_VARS = set(re.findall(r"\$\{([A-Z_]+)(?::=|:-|:\+|-)", (RECIPE / "common.
 
 def run(script: str, *extra: str, dry: bool = True, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in RECIPE_VARS}
-    clean.update(PYTHON=sys.executable, **env)
+    clean.update({"PYTHON": sys.executable, **env})
     if dry:
         clean["DRY_RUN"] = "1"
     return subprocess.run(
@@ -307,3 +307,48 @@ def test_cpu_platform_has_no_gpu_plan_and_leaves_sizes_to_the_overlay():
         assert key not in got, key
     proc = run(MAIN, PLATFORM="tpu")
     assert proc.returncode == 2 and "PLATFORM must be gpu or cpu" in proc.stderr
+
+
+#: stand-in for the interpreter of a GPU run (main_ppo cannot run here): writes one validation at
+#: step $STAND_IN_STEP where verl's file logger would (its format: {"step": N, "data": {...}}),
+#: prints a line, exits $STAND_IN_RC; any other command (``-m sorl_verl eval``) goes to the real
+#: interpreter
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+if [[ $2 == verl.trainer.main_ppo ]]; then
+  echo "stand-in main_ppo launch $SORL_LAUNCH_ID"
+  printf '{{"step": %d, "data": {{"val-aux/nq/em/mean@1": %s}}}}\\n' "$STAND_IN_STEP" "$STAND_IN_EM" > "$VERL_FILE_LOGGER_PATH"
+  exit "${{STAND_IN_RC:-0}}"
+fi
+exec {real} "$@"
+"""
+
+
+def test_launches_append_logs_keep_metrics_and_return_the_trainer_s_status(tmp_path):
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_PYTHON.format(real=sys.executable))
+    python.chmod(0o755)
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "PYTHON": str(python)}
+    for launch, (step, em) in enumerate(((0, 0.1), (50, 0.3))):
+        proc = run(MAIN, dry=False, SORL_LAUNCH_ID=f"2025010{launch + 1}-000000-1", STAND_IN_STEP=str(step),
+                   STAND_IN_EM=str(em), **env)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert sorted(p.name for p in run_dir.glob("metrics.*.jsonl")) == [
+        "metrics.20250101-000000-1.jsonl", "metrics.20250102-000000-1.jsonl"]  # fmt: skip
+    log = (run_dir / "train.log").read_text()
+    assert log.count("=== launch ") == 2 and "stand-in main_ppo launch 20250101-000000-1" in log
+    assert "stand-in main_ppo launch 20250102-000000-1" in log
+    launch_log = (run_dir / "train.20250102-000000-1.log").read_text()
+    assert launch_log.startswith("stand-in main_ppo launch 20250102-000000-1\n") and "20250101" not in launch_log
+    assert (run_dir / "overrides.txt").read_text().startswith("+task=search_qa\n")
+    failed = run(MAIN, dry=False, STAND_IN_STEP="60", STAND_IN_EM="0.2", STAND_IN_RC="3", **env)
+    assert failed.returncode == 3  # the trainer's status, not tee's
+    # a validation-only launch tabulates what it validated, in its own directory
+    ckpt = run_dir / "checkpoints"
+    (ckpt / "global_step_50").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("50")
+    val = run(MAIN, dry=False, VAL_ONLY="1", STAND_IN_STEP="50", STAND_IN_EM="0.25", **env)
+    assert val.returncode == 0, val.stderr
+    table = (run_dir / "eval" / "step_50" / "eval.csv").read_text().splitlines()
+    assert table[1:] == ["last,50,nq,-,0.25,,", "best,50,nq,-,0.25,,"]
+    assert len(list(run_dir.glob("metrics.*.jsonl"))) == 3  # the training run's metrics untouched
