@@ -1,5 +1,7 @@
 """Two runs of verl's ``main_ppo`` on CPU with one seed see the same data, the same rollouts and
 make the same update: identical step-1 metrics and bitwise identical actor weights after the step.
+Only the statistics of the rollout engine's own log-probs may differ, by float32 reduction-order
+noise of the batched ``hf`` engine (the trainer recomputes log-probs with the actor).
 
 Stress regime (lr 1e-3, 2 mini-batches x 2 epochs = 4 updates per rollout) so that a difference in
 data order, rollouts or batch row order would show in the losses and the weights. The first run
@@ -31,11 +33,25 @@ STRESS = [
     "data.val_max_samples=8",
 ]
 #: wall-clock, throughput and memory figures legitimately differ between runs
-UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/")
+UNTIMED = ("timing_s/", "timing_per_token_ms/", "perf/", "memory/", "actor/perf/", "critic/perf/")
+#: metrics of the rollout's own log-probs (vs the actor's): the batched hf engine computes them with
+#: float32 reduction-order noise that depends on which rows shared a decode batch (docs/cpu.md)
+ROLLOUT_LOGPROB_METRICS = ("training/rollout_", "rollout_corr/")
+#: that noise is below 4e-6 per token (tests/unit/test_cpu_hf_seeded_sampling.py's bound on this model
+#: is of that order); a sequence-level statistic sums it over at most data.max_response_length tokens
+ROLLOUT_LOGPROB_TOL = 448 * 4e-6
 
 
 def comparable(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if not k.startswith(UNTIMED) and isinstance(v, int | float)}
+
+
+def same(key: str, x: float, y: float) -> bool:
+    if math.isnan(x) and math.isnan(y):
+        return True
+    if key.startswith(ROLLOUT_LOGPROB_METRICS):
+        return abs(x - y) <= ROLLOUT_LOGPROB_TOL
+    return x == y
 
 
 def actor_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -65,12 +81,15 @@ def test_same_seed_same_step_one(tmp_path, main_ppo, small_overrides):
     ):
         assert key in a and math.isfinite(a[key]), key
     assert a["actor/ppo_kl"] != 0.0, "the stress regime must move the policy within the step"
-    different = {k: (a[k], b[k]) for k in a if not (a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])))}
+    different = {k: (a[k], b[k]) for k in a if not same(k, a[k], b[k])}
     assert not different, f"step-1 metrics differ between two runs of one seed: {different}"
 
     val_a = [r["data"] for r in first.records if r["step"] == 0]
     val_b = [r["data"] for r in second.records if r["step"] == 0]
-    assert val_a and [comparable(v) for v in val_a] == [comparable(v) for v in val_b]
+    assert val_a and len(val_a) == len(val_b)
+    for va, vb in zip(val_a, val_b, strict=True):
+        ca, cb = comparable(va), comparable(vb)
+        assert ca.keys() == cb.keys() and all(same(k, ca[k], cb[k]) for k in ca), (ca, cb)
 
     weights_a, weights_b = actor_weights(tmp_path / "a"), actor_weights(tmp_path / "b")
     assert weights_a.keys() == weights_b.keys()
