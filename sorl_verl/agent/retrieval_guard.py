@@ -11,6 +11,11 @@ every trajectory of a worker process:
 - ``record``: after each search, whether it failed (the retrieval client's failure notice). When
   the last ``window`` searches hold more than ``max_failure_rate`` failures, it raises the same
   error with the counts and the last failure.
+
+verl 0.9.1's v1 trainer runs each prompt's agent loops as background tasks and only logs their
+exceptions (the prompt's group is marked failed), so an error raised in a worker reaches the log,
+not the driver. :func:`preflight_from_config` is the same preflight for trainer start: called in
+the driver with the trainer config, before any worker starts, it raises with the URL at once.
 """
 
 from __future__ import annotations
@@ -101,3 +106,51 @@ def shared_guard(url: str, window: int, max_failure_rate: float, loop: Any) -> R
     if key not in per_loop:
         per_loop[key] = RetrievalGuard(url, window, max_failure_rate)
     return per_loop[key]
+
+
+def search_agent_settings(config: Any) -> Any:
+    """The ``search_r1`` settings a run with trainer ``config`` would use: the agent-loop YAML entry
+    (``rollout.agent.agent_loop_config_path``), ``sorl.agent`` and the environment, as the loop
+    resolves them; None when the run does not use the ``search_r1`` loop by default."""
+    from omegaconf import OmegaConf
+
+    from sorl_verl.agent import AGENT_LOOP_NAME
+    from sorl_verl.agent.search_r1_loop import _trainer_section
+    from sorl_verl.agent.settings import SearchAgentSettings
+
+    agent = OmegaConf.select(config, "actor_rollout_ref.rollout.agent") or {}
+    if agent.get("default_agent_loop") != AGENT_LOOP_NAME:
+        return None
+    loop_kwargs: dict[str, Any] = {}
+    path = agent.get("agent_loop_config_path")
+    if path:
+        for entry in OmegaConf.load(path):
+            if entry.get("name") == AGENT_LOOP_NAME:
+                loop_kwargs = {k: v for k, v in OmegaConf.to_container(entry).items() if k not in ("name", "_target_")}
+    return SearchAgentSettings.resolve(loop_kwargs, _trainer_section(config))
+
+
+def preflight_from_config(config: Any) -> None:
+    """Trainer-start preflight: one real search with the run's settings; raises
+    :class:`RetrievalUnavailableError` naming the URL. A no-op when the run does not use the
+    ``search_r1`` loop by default or ``retrieval_preflight`` is off."""
+    settings = search_agent_settings(config)
+    if settings is None or not settings.retrieval_preflight:
+        return
+
+    async def check() -> None:
+        from sorl_verl.retrieval.client import RetrievalClient
+
+        client = RetrievalClient(
+            settings.retrieval_url,
+            topk=1,
+            timeout=settings.search_timeout,
+            max_retries=settings.search_retries,
+            backoff=settings.search_backoff,
+        )
+        try:
+            await RetrievalGuard(settings.retrieval_url, 1, 1.0).preflight(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(check())

@@ -270,3 +270,27 @@ def test_guard_window_arithmetic() -> None:
     never = RetrievalGuard("http://h/retrieve", window=3, max_failure_rate=1.0)
     for _ in range(10):
         never.record(True)  # rate 1.0 disables the guard
+
+
+def test_trainer_start_preflight_uses_the_runs_settings(index_dir: Path) -> None:
+    from sorl_verl.agent import AGENT_LOOPS_YAML
+    from sorl_verl.agent.retrieval_guard import preflight_from_config, search_agent_settings
+
+    def config(url: str, loop: str = "search_r1", **agent: Any) -> Any:
+        rollout = {"agent": {"default_agent_loop": loop, "agent_loop_config_path": AGENT_LOOPS_YAML}}
+        knobs = {"retrieval_url": url, "search_retries": 0, **agent}
+        return OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}, "sorl": {"agent": knobs}})
+
+    dead = "http://127.0.0.1:9/retrieve"
+    assert search_agent_settings(config(dead)).max_obs_tokens == 512  # from the YAML entry
+    start = time.monotonic()
+    with pytest.raises(RetrievalUnavailableError, match=r"preflight failed.*http://127\.0\.0\.1:9/retrieve"):
+        preflight_from_config(config(dead))
+    assert time.monotonic() - start < 10
+    preflight_from_config(config(dead, loop="tool_agent"))  # another agent loop: nothing to check
+    preflight_from_config(config(dead, retrieval_preflight=False))
+    server = serve_in_background(index_dir)
+    try:
+        preflight_from_config(config(server.retrieve_url))
+    finally:
+        server.stop()
