@@ -105,6 +105,9 @@ TRAIN_PID=
 if [ "$RC" -ne 0 ]; then
   echo "[demo] main_ppo exited with $RC; last lines of $LOG:" >&2
   grep -v "^\s*$" "$LOG" | tail -n 30 >&2
+  # the cause a user needs is often far above the tail (verl logs failed agent loops and goes on)
+  CAUSE=$(grep -m 1 -E "RetrievalUnavailableError|RetrievalError" "$LOG" || true)
+  [ -n "$CAUSE" ] && echo "[demo] retrieval failed: $CAUSE" >&2
 fi
 cleanup
 trap - EXIT INT TERM
