@@ -146,7 +146,10 @@ sorl_algo_args() {
   [[ -n ${CLIP_NORM_SCOPE:-} ]] && SORL_ARGS+=("actor_rollout_ref.actor.policy_loss.clip_norm_scope=$CLIP_NORM_SCOPE")
   [[ -n ${LOG_RATIO_CLAMP:-} ]] && SORL_ARGS+=("actor_rollout_ref.actor.policy_loss.log_ratio_clamp=$LOG_RATIO_CLAMP")
 
-  if [[ $critic == True ]]; then
+  if [[ $PLATFORM == cpu ]]; then
+    # the CPU overlay runs without a reference policy (no KL), as the CPU main job does
+    [[ $critic == True ]] && SORL_ARGS+=("critic.model.path=$MODEL_PATH")
+  elif [[ $critic == True ]]; then
     # Search-R1's PPO: KL penalty in the reward, critic from the same base model
     : "${ACTOR_WARMUP_RATIO:=0.95}"
     SORL_ARGS+=(
@@ -154,8 +157,6 @@ sorl_algo_args() {
       "algorithm.use_kl_in_reward=True"
       "algorithm.kl_ctrl.kl_coef=$KL_COEF"
       "critic.model.path=$MODEL_PATH"
-    )
-    [[ $PLATFORM == gpu ]] && SORL_ARGS+=(
       "critic.model.enable_gradient_checkpointing=True"
       "critic.model.use_remove_padding=True"
       "critic.optim.lr=$CRITIC_LR"
@@ -290,12 +291,7 @@ sorl_build_args() {
     "sorl.agent.max_obs_tokens=$MAX_OBS_LENGTH"
   )
   sorl_algo_args
-  if [[ $PLATFORM == gpu ]]; then
-    sorl_engine_args
-  else
-    # the CPU overlay sizes the actor; the reference policy (KL loss) needs its micro-batch too
-    SORL_ARGS+=("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=$LOG_PROB_MICRO_BATCH_SIZE")
-  fi
+  [[ $PLATFORM == gpu ]] && sorl_engine_args
   sorl_offpolicy_args
   [[ $PLATFORM == gpu ]] && SORL_ARGS+=(
     "trainer.nnodes=$NNODES"

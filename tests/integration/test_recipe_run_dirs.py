@@ -283,8 +283,8 @@ def test_impossible_gpu_plans_exit_2_with_the_numbers(script, env, message):
 
 @pytest.mark.parametrize("algo", ["so_grpo", "grpo"])
 def test_cpu_platform_command_passes_verl_s_checks(algo, tmp_path):
-    """What main_ppo runs first (compose + validate_config), on the PLATFORM=cpu command (the KL
-    loss of the GRPO family needs the reference policy's micro-batch, which the overlay lacks)."""
+    """What main_ppo runs first (compose + validate_config), on the PLATFORM=cpu command; like the
+    CPU main job it runs without a reference policy (no KL)."""
     from hydra import compose, initialize_config_dir
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
@@ -296,6 +296,7 @@ def test_cpu_platform_command_passes_verl_s_checks(algo, tmp_path):
         cfg = compose(config_name="sorl_trainer", overrides=argv[5:])
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.actor_rollout_ref.rollout.name == "hf" and cfg.trainer.device == "cpu"
+    assert not need_reference_policy(cfg)
 
 
 def test_cpu_platform_has_no_gpu_plan_and_leaves_sizes_to_the_overlay():
