@@ -61,7 +61,8 @@ async def test_real_engine_logprobs_realign_with_recomputation(tiny: Any) -> Non
         processor=None,
         dataset_cls=None,
         data_config=DictConfigWrap(OmegaConf.create({})),
-        retrieval_url="http://127.0.0.1:9/retrieve",
+        retrieval_url="http://127.0.0.1:9/retrieve",  # nothing listens: every search returns an error observation
+        retrieval_preflight=False,
         max_turns=4,
         max_obs_tokens=40,
     )
