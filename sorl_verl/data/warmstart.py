@@ -60,16 +60,24 @@ def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[s
     return segs
 
 
-def prompt_ids(tokenizer, question: str) -> list[int]:
-    """Token ids of the chat-templated user prompt with the assistant generation prompt."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": qa_prompt(question)}],
+def prompt_ids(tokenizer, question: str, prompt: str | None = None) -> list[int]:
+    """Token ids of the chat-templated user prompt with the assistant generation prompt.
+
+    The user message is ``prompt`` when given (e.g. a multiple-choice prompt), else ``qa_prompt(question)``.
+    """
+    content = qa_prompt(question) if prompt is None else prompt
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                          add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_trajectory(tokenizer, question: str, segments: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)``: each segment encoded on its own (as the agent loop does), EOS last."""
-    ids = prompt_ids(tokenizer, question)
+def tokenize_trajectory(tokenizer, question: str, segments: Sequence[tuple[str, bool]],
+                        prompt: str | None = None) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)``: each segment encoded on its own (as the agent loop does), EOS last.
+
+    ``prompt``: the user message, as in :func:`prompt_ids`.
+    """
+    ids = prompt_ids(tokenizer, question, prompt)
     mask = [0] * len(ids)
     for text, is_policy in segments:
         seg = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -225,19 +233,21 @@ def _stop_ids(tokenizer) -> set[int]:
 
 def greedy_rollouts(model, tokenizer, questions: Sequence[dict[str, Any]], observe: Observer, max_turns: int = 4,
                     max_tokens_per_turn: int = 48, max_response_tokens: int = 512, batch_size: int = 64,
-                    generate: GenerateFn | None = None, temperature: float = 0.0) -> list[str]:
+                    generate: GenerateFn | None = None, temperature: float = 0.0,
+                    prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[str]:
     """Multi-turn rollouts with retrieval in the loop; returns each decoded response.
 
     Each turn generates (``model`` greedy, or sampled at ``temperature``, unless ``generate`` is given); a turn ending in
     ``</search>`` gets ``information_block(observe(query))`` appended and continues, anything
-    else ends the episode, as does reaching ``max_turns`` or ``max_response_tokens``.
+    else ends the episode, as does reaching ``max_turns`` or ``max_response_tokens``. ``prompt_of(question)``
+    gives the user message (default ``qa_prompt(question["question"])``).
     """
     generate = generate or hf_greedy_generate(model, tokenizer, max_tokens_per_turn, temperature)
     search_close = tokenizer.convert_tokens_to_ids(SEARCH_CLOSE)
     responses: list[str] = []
     for start in range(0, len(questions), batch_size):
         chunk = questions[start:start + batch_size]
-        prompts = [prompt_ids(tokenizer, q["question"]) for q in chunk]
+        prompts = [prompt_ids(tokenizer, q["question"], prompt_of(q) if prompt_of else None) for q in chunk]
         resp: list[list[int]] = [[] for _ in chunk]
         active = list(range(len(chunk)))
         for _ in range(max_turns):

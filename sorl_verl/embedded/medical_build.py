@@ -1,0 +1,272 @@
+"""The embedded medical multiple-choice default: world, BM25 index, verl parquet, warm-started tiny model.
+
+``ensure_embedded_medical(root)`` builds what is missing under ``root`` (default
+``data_home()/"embedded_medical"``), lazily on first use, under a lock (concurrent first uses
+wait for one builder); each step is skipped when its ``.stamp.json`` matches a hash of its
+inputs, so changing a parameter rebuilds that step and everything downstream::
+
+    world/      corpus.jsonl, {train,val,test}.jsonl (MedQA-keyed)  (medical_world.generate_medical_world)
+    data/       {split}.parquet, {split}_{type}.parquet             (rows of records.mcq_record)
+    index/      BM25 index of the corpus                            (sorl_verl.retrieval.build.build_index)
+    tokenizer/  byte-level BPE + chat template                      (data.tiny_tokenizer.train_tokenizer)
+    model/      tiny Qwen2ForCausalLM SFT warm-started on expert trajectories ending with an option
+                letter, tokenizer files and warmstart.json (losses, timings, greedy and T=1 success)
+    report.json build seconds of each step and the warm-start report
+
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sorl_verl.data.tiny_model import TinyModelSpec
+from sorl_verl.data.warmstart import Observer, SFTConfig
+from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
+from sorl_verl.embedded.steps import build_lock, log, run_step
+
+#: bump when the content a step produces changes for the same parameters
+BUILD_VERSION = 1
+TOPK = 3
+TAG = "embedded-medical"
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class MedicalEmbeddedConfig:
+    """Parameters of every build step (all enter the stamps)."""
+
+    world: MedicalWorldConfig = field(default_factory=MedicalWorldConfig)
+    vocab_size: int = 3000
+    model: TinyModelSpec = field(default_factory=TinyModelSpec)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    #: SFT trajectories per question type (small types get extra option draws)
+    sft_per_type: int = 300
+    #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
+    eval_per_type: int = 25
+    eval_temperatures: tuple[float, ...] = (0.0, 1.0)
+    topk: int = TOPK
+    max_turns: int = 4
+    #: torch threads for SFT and evaluation (1 is fastest on a shared 2-core machine)
+    num_threads: int = 1
+
+
+@dataclass(frozen=True)
+class MedicalPaths:
+    """Where the built artefacts are."""
+
+    root: Path
+    corpus: Path
+    questions: dict[str, Path]  # split -> jsonl
+    parquet: dict[str, Path]  # "train", "val", "test", "val_diagnosis", ... -> parquet
+    index_dir: Path
+    tokenizer_dir: Path
+    model_dir: Path
+    report: Path
+
+
+def default_root() -> Path:
+    from sorl_verl.paths import data_home
+
+    return data_home() / "embedded_medical"
+
+
+def medical_paths(root: str | Path) -> MedicalPaths:
+    """The layout under ``root`` (whether built or not)."""
+    root = Path(root)
+    parquet = {s: root / "data" / f"{s}.parquet" for s in SPLITS}
+    parquet.update({f"{s}_{t}": root / "data" / f"{s}_{t}.parquet" for s in SPLITS for t in QUESTION_TYPES})
+    return MedicalPaths(
+        root=root, corpus=root / "world" / "corpus.jsonl",
+        questions={s: root / "world" / f"{s}.jsonl" for s in SPLITS},
+        parquet=parquet, index_dir=root / "index", tokenizer_dir=root / "tokenizer",
+        model_dir=root / "model", report=root / "report.json",
+    )  # fmt: skip
+
+
+def evaluate_mcq(
+    model,
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    observe: Observer,
+    temperature: float = 0.0,
+    max_turns: int = 4,
+) -> dict[str, Any]:
+    """Success rate (the project's ``compute_score`` on each row's ground truth) overall, per type and per hop count.
+
+    Rollouts are multi-turn with retrieval in the loop (:func:`sorl_verl.data.warmstart.greedy_rollouts`),
+    greedy at temperature 0, else plain sampling.
+    """
+    from sorl_verl.data.warmstart import greedy_rollouts
+    from sorl_verl.embedded.medical_trajectories import user_message
+    from sorl_verl.embedded.medical_world import data_source
+    from sorl_verl.rewards.score import compute_score
+
+    t0 = time.perf_counter()
+    responses = greedy_rollouts(
+        model, tokenizer, questions, observe, max_turns=max_turns, temperature=temperature, prompt_of=user_message
+    )
+    scores = [
+        compute_score(data_source(q["type"]), r, {"target": [q["answer_idx"]], "options": q["options"]})["score"]
+        for q, r in zip(questions, responses, strict=True)
+    ]
+    result: dict[str, Any] = {
+        "temperature": temperature,
+        "success": sum(scores) / max(1, len(scores)),
+        "n": len(scores),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    for key, name in (("hops", "{}hop"), ("type", "{}")):
+        for value in sorted({q[key] for q in questions}):
+            group = [s for q, s in zip(questions, scores, strict=True) if q[key] == value]
+            result[f"success_{name.format(value)}"] = sum(group) / len(group)
+            result[f"n_{name.format(value)}"] = len(group)
+    result["samples"] = [
+        {"question": q["question"], "gold": q["answer_idx"], "response": r}
+        for q, r in list(zip(questions, responses, strict=True))[:2]
+    ]
+    return result
+
+
+def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[str, Any]]:
+    """The first ``per_type`` validation questions of each type, types in declaration order."""
+    return [q for t in QUESTION_TYPES for q in [q for q in val if q["type"] == t][:per_type]]
+
+
+def ensure_embedded_medical(
+    root: str | Path | None = None,
+    force: bool = False,
+    config: MedicalEmbeddedConfig | None = None,
+    progress: bool = True,
+) -> MedicalPaths:
+    """Build (or reuse) the embedded medical default under ``root``; ``force`` rebuilds every step."""
+    cfg = config or MedicalEmbeddedConfig()
+    root = Path(root) if root is not None else default_root()
+    with build_lock(root):
+        return _build(root, cfg, force, progress)
+
+
+def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) -> MedicalPaths:
+    from sorl_verl.data.synthetic_world import read_jsonl
+    from sorl_verl.embedded.medical_world import generate_medical_world, medical_to_parquet, write_medical_world
+
+    paths = medical_paths(root)
+    timings: dict[str, float] = {}
+    version = {"version": BUILD_VERSION}
+
+    def step(name: str, out: Path, inputs: dict[str, Any], build) -> str:
+        return run_step(name, out, {**version, **inputs}, build, force=force, timings=timings, tag=TAG)
+
+    world_stamp = step(
+        "world",
+        root / "world",
+        {"world": asdict(cfg.world)},
+        lambda tmp: write_medical_world(generate_medical_world(cfg.world), tmp),
+    )
+    questions = {s: read_jsonl(p) for s, p in paths.questions.items()}
+
+    def build_data(tmp: Path) -> None:
+        for split, qs in questions.items():
+            medical_to_parquet(qs, tmp / f"{split}.parquet", split)
+            for t in QUESTION_TYPES:
+                medical_to_parquet([q for q in qs if q["type"] == t], tmp / f"{split}_{t}.parquet", split)
+
+    step("data", root / "data", {"world": world_stamp}, build_data)
+
+    def build_index_step(tmp: Path) -> None:
+        from sorl_verl.retrieval.build import build_index
+
+        build_index(paths.corpus, tmp / "bm25", overwrite=True, show_progress=progress)
+        for f in (tmp / "bm25").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "bm25").rmdir()
+
+    index_stamp = step("index", paths.index_dir, {"world": world_stamp}, build_index_step)
+
+    def build_tokenizer(tmp: Path) -> None:
+        from sorl_verl.data.tiny_tokenizer import train_tokenizer
+        from sorl_verl.embedded.medical_trajectories import user_message
+
+        texts = [d["contents"] for d in read_jsonl(paths.corpus)] + [user_message(q) for q in questions["train"]]
+        train_tokenizer(texts, tmp, vocab_size=cfg.vocab_size)
+
+    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size}, build_tokenizer)
+
+    def build_model(tmp: Path) -> None:
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.num_threads)
+        try:
+            _warm_start(cfg, paths, questions, tmp, progress)
+        finally:
+            torch.set_num_threads(threads)
+
+    step("model", paths.model_dir,
+         {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
+          "per_type": cfg.sft_per_type, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "max_turns": cfg.max_turns}, build_model)  # fmt: skip
+
+    if timings:
+        old = json.loads(paths.report.read_text()) if paths.report.is_file() else {}
+        old.setdefault("build_seconds", {}).update(timings)
+        ws = paths.model_dir / "warmstart.json"
+        if ws.is_file():
+            old["warmstart"] = json.loads(ws.read_text())
+        paths.report.write_text(json.dumps(old, indent=1))
+    return paths
+
+
+def _warm_start(
+    cfg: MedicalEmbeddedConfig,
+    paths: MedicalPaths,
+    questions: dict[str, list[dict[str, Any]]],
+    out: Path,
+    progress: bool,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from sorl_verl.data.embedded import make_observer
+    from sorl_verl.data.tiny_model import build_tiny_qwen2, save_model
+    from sorl_verl.data.warmstart import train_sft
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, sft_questions
+    from sorl_verl.embedded.medical_world import generate_medical_world
+
+    tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
+    observe = make_observer(paths.index_dir, cfg.topk)
+    t0 = time.perf_counter()
+    world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
+    sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
+    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress)
+    t_data = time.perf_counter() - t0
+    model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
+    t0 = time.perf_counter()
+    losses = train_sft(model, examples, tok.pad_token_id, cfg.sft, progress=progress)
+    t_train = time.perf_counter() - t0
+    evalset = eval_questions(questions["val"], cfg.eval_per_type)
+    evals = {f"T{t:g}": evaluate_mcq(model, tok, evalset, observe, t, cfg.max_turns) for t in cfg.eval_temperatures}
+    save_model(model, tok, out)
+    lens = sorted(len(ids) for ids, _ in examples)
+    resp = sorted(len(m) - m.index(1) for _, m in examples)
+    report = {
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_examples": len(examples),
+        "example_tokens_p50_max": [lens[len(lens) // 2], lens[-1]],
+        "response_tokens_p50_p95_max": [resp[len(resp) // 2], resp[int(len(resp) * 0.95)], resp[-1]],
+        "expert_data_seconds": round(t_data, 2),
+        "sft_seconds": round(t_train, 2),
+        "loss_first10": sum(losses[:10]) / len(losses[:10]),
+        "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+        "eval": evals,
+    }
+    (out / "warmstart.json").write_text(json.dumps(report, indent=1))
+    log(
+        TAG,
+        f"warm-start: loss {report['loss_first10']:.3f} -> {report['loss_last10']:.3f}; success "
+        + ", ".join(f"{k}={v['success']:.2f}" for k, v in evals.items()),
+    )
