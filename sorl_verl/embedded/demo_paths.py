@@ -1,0 +1,78 @@
+"""The embedded default of a task, as the paths and task overlay a ``main_ppo`` launch needs.
+
+``embedded_task("qa" | "medical")`` builds the task's embedded default on first use (progress on
+stderr) and returns its train/val parquet, BM25 index, ChatML-checked model directory and the
+hydra task overlay (``+task=search_qa`` or ``+task=medical_mcq``). For shell scripts::
+
+    eval "$(python -m sorl_verl.embedded.demo_paths medical)"
+    # -> TRAIN=... VAL=... INDEX=... MODEL=... TASK_OVERLAY=medical_mcq (only these lines on stdout)
+
+An unknown task name prints one error line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+#: task name -> hydra task overlay under recipe/sorl/config/task/
+TASK_OVERLAYS = {"qa": "search_qa", "medical": "medical_mcq"}
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """What one task's ``main_ppo`` launch on the embedded default needs."""
+
+    task: str
+    overlay: str
+    train: Path
+    val: Path
+    index_dir: Path
+    model: Path
+
+    def shell_lines(self) -> str:
+        """``NAME=value`` lines (shell-quoted) for ``eval``."""
+        values = {"TRAIN": self.train, "VAL": self.val, "INDEX": self.index_dir, "MODEL": self.model,
+                  "TASK_OVERLAY": self.overlay}  # fmt: skip
+        return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in values.items())
+
+
+def embedded_task(task: str, progress: bool = True) -> EmbeddedTask:
+    """Build (first use) or load the embedded default of ``task``; build output goes to stderr."""
+    from sorl_verl.cpu.chatml_alias import chatml_alias
+
+    if task not in TASK_OVERLAYS:
+        raise ValueError(f"unknown task {task!r}; choose from {sorted(TASK_OVERLAYS)}")
+    with contextlib.redirect_stdout(sys.stderr):  # only the variables reach stdout
+        if task == "qa":
+            from sorl_verl.data.embedded import ensure_embedded_default
+
+            paths = ensure_embedded_default(progress=progress)
+        else:
+            from sorl_verl.embedded.medical_build import ensure_embedded_medical
+
+            paths = ensure_embedded_medical(progress=progress)
+        model = chatml_alias(paths.model_dir)
+    return EmbeddedTask(task, TASK_OVERLAYS[task], paths.parquet["train"], paths.parquet["val"], paths.index_dir, model)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sorl_verl.embedded.demo_paths",
+        description="Print TRAIN/VAL/INDEX/MODEL/TASK_OVERLAY of a task's embedded default (built on first use).",
+    )
+    parser.add_argument("task", help=f"one of {sorted(TASK_OVERLAYS)}")
+    parser.add_argument("--quiet", action="store_true", help="no build progress bars")
+    args = parser.parse_args(argv)
+    if args.task not in TASK_OVERLAYS:
+        print(f"demo_paths: unknown task {args.task!r}; choose from {sorted(TASK_OVERLAYS)}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.stdout.write(embedded_task(args.task, progress=not args.quiet).shell_lines())
+
+
+if __name__ == "__main__":
+    main()
