@@ -56,19 +56,25 @@ def weight_distance(checkpoint: Path, model_dir: Path) -> float:
 
 def run_arm(name: str, steps: int, run_dir: Path) -> dict:
     command = ["bash", "scripts/demo.sh", "--steps", str(steps), "--", *STRESS, *ARMS[name]]
-    env = {**os.environ, "SORL_RUN_DIR": str(run_dir)}
+    checkpoint = run_dir / "checkpoints" / f"global_step_{steps}" / "actor" / "model_world_size_1_rank_0.pt"
     start = time.time()
-    with open(run_dir.parent / f"{name}.log", "w") as log:
-        proc = subprocess.run(["flock", "/tmp/sorl-heavy.lock", *command], cwd=REPO, env=env, stdout=log, stderr=log)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: arm {name} failed ({proc.returncode}); see {run_dir.parent / f'{name}.log'}")
+    if not checkpoint.exists():  # a finished run whose summary was interrupted is reused
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        run_dir.mkdir(parents=True)
+        print(f"[ab] {name}: running", flush=True)
+        env = {**os.environ, "SORL_RUN_DIR": str(run_dir)}
+        with open(run_dir.parent / f"{name}.log", "w") as log:
+            proc = subprocess.run(
+                ["flock", "/tmp/sorl-heavy.lock", *command], cwd=REPO, env=env, stdout=log, stderr=log
+            )
+        if proc.returncode != 0:
+            raise SystemExit(f"error: arm {name} failed ({proc.returncode}); see {run_dir.parent / f'{name}.log'}")
     updates = [json.loads(x) for x in (run_dir / "checkpoints" / "sorl_updates.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = next(m["data"] for m in metrics if "timing_s/step" in m["data"])
     from sorl_verl.data.embedded import ensure_embedded_default
 
-    model_dir = ensure_embedded_default().model_dir
-    checkpoint = run_dir / "checkpoints" / f"global_step_{steps}" / "actor" / "model_world_size_1_rank_0.pt"
+    model_dir = ensure_embedded_default().model_dir  # demo.sh's model (same SORL_HOME, see main)
     return {
         "command": " ".join(command),
         "wall_s": round(time.time() - start, 1),
@@ -99,16 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/sorl_normalizer_ab"))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = parser.parse_args(argv)
+    os.environ.setdefault("SORL_HOME", str(REPO / ".sorl_cache"))  # as scripts/demo.sh
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.arms:
         if name in results:
             print(f"[ab] {name}: done, skipped")
             continue
-        run_dir = args.work / name
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        run_dir.mkdir(parents=True)
-        print(f"[ab] {name}: running", flush=True)
-        results[name] = run_arm(name, args.steps, run_dir)
+        results[name] = run_arm(name, args.steps, args.work / name)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         r = results[name]
