@@ -9,10 +9,14 @@ loudly instead of silently misbehaving.
 from __future__ import annotations
 
 import functools
+import os
+import socket
+from datetime import timedelta
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch.distributed.constants import default_pg_timeout
 
 from sorl_verl.cpu.loopback import use_loopback_ray
 
@@ -20,6 +24,8 @@ from sorl_verl.cpu.loopback import use_loopback_ray
 VERL_CHECKED = SpecifierSet(">=0.9.1,<0.10")
 #: names of the verl internals wrapped in this process
 APPLIED: list[str] = []
+#: MASTER_ADDR values that mean "this machine only"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost"})
 
 
 def _check_verl_version() -> None:
@@ -32,13 +38,42 @@ def _check_verl_version() -> None:
         )
 
 
+def _loopback_store(host: str, port: int, is_master: bool, world_size: int, timeout: timedelta) -> Any:
+    """The process group's TCPStore, its server socket bound to ``host`` (torch binds every interface)."""
+    from verl.utils.distributed import create_tcp_store
+
+    listen = None
+    if is_master:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listen.bind((host, port))
+        listen.listen()
+    return create_tcp_store(
+        host, port, listen_socket=listen, world_size=world_size, is_master=is_master, timeout=timeout
+    )
+
+
 def _cpu_only_backend(fn: Any) -> Any:
     """``initialize_global_process_group_ray`` builds ``"cpu:gloo,{device}:{backend}"``, which torch
-    rejects as a duplicate device type when the device itself is ``cpu``; pass plain ``gloo``."""
+    rejects as a duplicate device type when the device itself is ``cpu``; pass plain ``gloo``.
+
+    When ``MASTER_ADDR`` is loopback (the single-machine run: Ray's node is 127.0.0.1), the
+    rendezvous TCPStore is created on a socket bound to it: torch's own ``env://`` store listens
+    on every interface (``::``) whatever ``MASTER_ADDR`` says."""
 
     @functools.wraps(fn)
     def wrapper(timeout_second: Any = None, backend: str | None = None) -> Any:
-        return fn(timeout_second=timeout_second, backend=backend or "gloo")
+        import torch.distributed as dist
+
+        host = os.environ.get("MASTER_ADDR", "")
+        if dist.is_initialized() or os.environ.get("DIST_INIT_METHOD") or host not in LOOPBACK_HOSTS:
+            return fn(timeout_second=timeout_second, backend=backend or "gloo")
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        timeout = timedelta(seconds=timeout_second) if timeout_second is not None else default_pg_timeout
+        store = _loopback_store(host, int(os.environ["MASTER_PORT"]), rank == 0, world_size, timeout)
+        dist.init_process_group(
+            backend=backend or "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
 
     wrapper.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -62,6 +62,7 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
         import verl.workers.engine_workers as ew
         import torch.distributed as dist
+        import psutil
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
         import os
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
@@ -72,6 +73,7 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
             "value": EngineRegistry.get_engine_cls("value_model", "fsdp") is FSDPEngineWithValueHead,
             "pg_backend": dist.get_backend(), "errors": plugin.ERRORS,
             "wrappers": plugin.REGISTERED.get("cpu_wrappers"),
+            "listening": sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}),
         }))
         """,
         VERL_PLATFORM="cpu",
@@ -81,6 +83,8 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
     assert out["device"] == "cpu" and out["backend"] == "gloo" and out["device_id"] == "cpu"
     assert out["lm"] and out["value"]
     assert out["pg_backend"] == "gloo"
+    # the rendezvous store listens on MASTER_ADDR only (torch's env:// store would listen on "::")
+    assert out["listening"] == ["127.0.0.1"]
     assert out["errors"] == {}
     assert out["wrappers"] == ["verl.utils.distributed.initialize_global_process_group_ray",
                                "verl.utils.model.load_valuehead_model"]
