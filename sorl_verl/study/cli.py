@@ -188,7 +188,8 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
         print(f"no finished cell of {grid.name} under {out} (run it first)", file=sys.stderr)
         return 1
     finished = {rec["key"] for rec, _ in found}
-    grid_arg = str(grid.path.relative_to(root)) if root is not None else str(grid.path)
+    inside = root is not None and grid.path.is_relative_to(root)
+    grid_arg = str(grid.path.relative_to(root)) if inside else str(grid.path)
     command = f"python -m sorl_verl.study --grid {grid_arg}" + "".join(f" --only {p}" for p in a.only)
     by_key = {c.key: c for c in cells}
     changed = {rec["key"]: keys for rec, _ in found if (keys := changed_keys(rec, by_key[rec["key"]]))}

@@ -250,3 +250,17 @@ def test_nan_never_reaches_the_json(tmp_path):
     run = data["runs"][0]
     assert run["collapsed"] and "actor/pg_loss" in run["reason"]
     write_stability(data, tmp_path / "s.json")  # allow_nan=False: would raise on a NaN
+
+
+def test_cli_aggregate_grid_outside_the_repository(study, tmp_path):
+    """A grid file elsewhere that uses the repository's config: the command names its absolute path."""
+    repo_config = Path(__file__).resolve().parents[2] / "recipe" / "sorl" / "config"
+    text = grid_file(tmp_path).read_text() + f"config_dir: {repo_config}\n"
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(text.replace("name: g", "name: e"))
+    res = tmp_path / "res"
+    args = ["aggregate", "--grid", str(elsewhere), "--out", str(study), "--results", str(res), "--no-plots"]
+    assert cli.main(args) == 0
+    assert (
+        json.loads((res / "stability.json").read_text())["command"] == f"python -m sorl_verl.study --grid {elsewhere}"
+    )
