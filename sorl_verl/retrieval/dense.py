@@ -54,9 +54,17 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "train_size": None,  # None: 64 * nlist passages
     "nprobe": 32,
     "ef_search": 128,
+    "intra_op_threads": None,  # torch and faiss threads per search (None: their defaults); serve time
 }
 INDEX_TYPES = ("flat", "hnsw", "ivfpq")
-SERVE_OPTIONS = ("device", "model", "faiss_gpu", "nprobe", "ef_search")  # may differ from the build's values
+SERVE_OPTIONS = (
+    "device",
+    "model",
+    "faiss_gpu",
+    "nprobe",
+    "ef_search",
+    "intra_op_threads",
+)  # may differ from the build's values
 ENCODE_CHUNK = 4096  # passages per encode call while building (bounds memory)
 
 
@@ -94,7 +102,9 @@ def serve_params(built: dict[str, Any], overrides: dict[str, Any]) -> dict[str, 
     unknown = set(overrides) - set(SERVE_OPTIONS)
     if unknown:
         raise ValueError(f"unknown serve-time dense option(s) {sorted(unknown)}; known: {list(SERVE_OPTIONS)}")
-    bad = [n for n in ("nprobe", "ef_search") if overrides.get(n) is not None and int(overrides[n]) < 1]
+    bad = [
+        n for n in ("nprobe", "ef_search", "intra_op_threads") if overrides.get(n) is not None and int(overrides[n]) < 1
+    ]
     if bad:
         raise ValueError(f"dense options must be >= 1: {', '.join(f'{n}={overrides[n]}' for n in bad)}")
     return {**DEFAULT_PARAMS, **built, **{k: v for k, v in overrides.items() if v is not None}}
@@ -269,6 +279,11 @@ class DenseScorer:
                 f"dense encoder directory not found: {params['model']}; if it moved, pass its new place "
                 "(load_searcher(..., model=DIR), server: --model DIR)"
             )
+        if params.get("intra_op_threads"):  # process-wide: the server process runs one scorer
+            import torch
+
+            torch.set_num_threads(int(params["intra_op_threads"]))
+            faiss.omp_set_num_threads(int(params["intra_op_threads"]))
         self.index = faiss.read_index(str(faiss_path))
         _set_search_params(self.index, params)
         if params.get("faiss_gpu"):

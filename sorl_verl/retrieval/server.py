@@ -386,7 +386,8 @@ def serve_in_background(
     ``python -m sorl_verl.retrieval.server`` instead (own process and GIL; ``index`` must be a
     directory). ``threads``: BM25 scoring threads per batch; ``workers``, ``batch_wait_ms``,
     ``max_batch``: see :func:`create_app`; ``mmap``: memory-map the BM25 postings; ``dense``:
-    serve-time dense options (``device``, ``model``, ``faiss_gpu``, ``nprobe``, ``ef_search``);
+    serve-time dense options (``device``, ``model``, ``faiss_gpu``, ``nprobe``, ``ef_search``,
+    ``intra_op_threads``);
     ``limit_overrides``: fields of :class:`Limits`.
     """
     dense = dict(dense or {})
@@ -476,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--faiss-gpu", action="store_true", help="search the faiss index on the GPU(s) (needs GPU faiss)")
     g.add_argument("--nprobe", type=int, help="ivfpq index: inverted lists scanned per query")
     g.add_argument("--ef-search", type=int, help="hnsw index: search breadth")
+    g.add_argument("--dense-threads", "--intra-op-threads", dest="intra_op_threads", type=int,
+                   help="torch and faiss threads per search (default: theirs; 1 on a shared or busy CPU)")  # fmt: skip
     g = p.add_argument_group("limits")
     g.add_argument("--topk", dest="default_topk", type=int, default=d.default_topk, help="topk when a request has none")
     g.add_argument("--max-topk", type=int, default=d.max_topk)
@@ -499,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--workers and --threads must be >= 1, got {workers} and {a.threads}")
     except ValueError as e:
         p.error(str(e))
-    dense = {k: getattr(a, k) for k in ("device", "model", "nprobe", "ef_search") if getattr(a, k) is not None}
+    names = ("device", "model", "nprobe", "ef_search", "intra_op_threads")
+    dense = {k: getattr(a, k) for k in names if getattr(a, k) is not None}
     if a.faiss_gpu:
         dense["faiss_gpu"] = True
     searcher = load_searcher(

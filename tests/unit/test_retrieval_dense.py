@@ -189,3 +189,5 @@ def test_serve_time_options_are_checked(dense_index: tuple[list[str], Path, Path
         load_searcher(idx, index_type="hnsw")
     with pytest.raises(ValueError, match="nprobe=0"):
         load_searcher(idx, nprobe=0)
+    with pytest.raises(ValueError, match="intra_op_threads=0"):
+        load_searcher(idx, intra_op_threads=0)

@@ -1,0 +1,217 @@
+"""Dense retrieval benchmark with the project's tiny local encoder: batched vs unbatched serving, faiss index types.
+
+1. A synthetic corpus of N passages (default 200,000; 20-40 words from a Zipf(1) vocabulary of
+   20k pseudo-words) and the tiny encoder over that vocabulary (``tiny_encoder.py``: random
+   1-layer BERT, ``--hidden`` wide, mean pooling; untrained, so it measures plumbing and
+   throughput, not retrieval quality).
+2. The flat index (``build_index(method="dense")``), then hnsw and ivfpq indexes built from the
+   same vectors; recall@3 of each against flat on 2,048 queries, index bytes, and in-process
+   search time per query at batch 64.
+3. The HTTP server in its own process, 64 concurrent clients each sending single-query requests
+   in a closed loop: queries/s and p50/p99 latency without batching (``--batch-wait-ms 0``,
+   one encoder call and one index search per request, as before) and with dynamic batching.
+   Target: batched >= 10x unbatched.
+
+    nice -n 19 python scripts/bench/dense_retrieval.py --workdir /tmp/dbench --json-out dense.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from retrieval import STOP_HEAD, pseudo_words  # noqa: E402
+
+from sorl_verl.retrieval.build import build_index  # noqa: E402
+from sorl_verl.retrieval.dense import build_faiss_index, encode, load_encoder  # noqa: E402
+from sorl_verl.retrieval.server import serve_in_background  # noqa: E402
+from sorl_verl.retrieval.tiny_encoder import make_tiny_encoder  # noqa: E402
+
+TARGET_SPEEDUP = 10.0
+
+
+def write_corpus(path: Path, n: int, vocab: list[str], seed: int) -> list[list[str]]:
+    """Write the corpus; return a sample of passages' words for making queries."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(1.0 / np.arange(1, len(vocab) + 1))
+    cdf /= cdf[-1]
+    words = np.array(vocab, dtype=object)
+    sample = []
+    with open(path, "w", encoding="utf-8") as f:
+        for s in range(0, n, 50_000):
+            m = min(50_000, n - s)
+            lengths = rng.integers(20, 41, size=m)
+            ids = np.searchsorted(cdf, rng.random(int(lengths.sum())), side="right").clip(0, len(vocab) - 1)
+            allw, start, lines = words[ids], 0, []
+            for d in range(m):
+                w = allw[start : start + lengths[d]]
+                start += lengths[d]
+                lines.append(json.dumps({"id": str(s + d), "contents": f'"{w[0].capitalize()}"\n{" ".join(w[1:])}'}))
+                if len(sample) < 20_000 and rng.random() < 0.05:
+                    sample.append(list(w))
+            f.write("\n".join(lines) + "\n")
+    return sample
+
+
+def make_queries(sample: list[list[str]], n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.sample(sorted(set(w)), min(len(set(w)), rng.randint(2, 6)))) for w in rng.choices(sample, k=n)]
+
+
+async def closed_loop(url: str, queries: list[str], clients: int, per_client: int) -> dict[str, Any]:
+    """``clients`` coroutines, each sending ``per_client`` single-query requests one after another."""
+    lat: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as s:
+
+        async def client(c: int) -> None:
+            for i in range(per_client):
+                q = queries[(c * per_client + i) % len(queries)]
+                t0 = time.perf_counter()
+                async with s.post(f"{url}/retrieve", json={"query": q, "topk": 3}) as r:
+                    body = await r.json()
+                    assert r.status == 200 and len(body["result"][0]) == 3, body
+                lat.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(client(c) for c in range(clients)))  # warm-up: one round
+        lat.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    ms = np.array(lat) * 1000
+    return {"clients": clients, "requests": len(lat), "qps": len(lat) / wall, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-docs", type=int, default=200_000)
+    ap.add_argument("--hidden", type=int, default=64, help="tiny encoder width (= embedding dimension)")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--per-client", type=int, default=12, help="requests per client, unbatched run")
+    ap.add_argument("--batch-wait-ms", type=float, default=2.0)
+    ap.add_argument("--dense-threads", type=int, default=1,
+                    help="torch/faiss threads per search, here and in the servers (1: a shared, busy CPU)")  # fmt: skip
+    ap.add_argument("--workdir", help="keep corpus, model and indexes here (default: a temporary directory)")
+    ap.add_argument("--json-out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"num_docs": a.num_docs, "hidden": a.hidden, "cpus": os.cpu_count(),
+                           "loadavg_start": os.getloadavg()}  # fmt: skip
+
+    def log(msg: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+    import faiss
+    import torch
+
+    faiss.omp_set_num_threads(a.dense_threads)
+    torch.set_num_threads(a.dense_threads)
+    res["dense_threads"] = a.dense_threads
+    try:
+        vocab = list(STOP_HEAD) + pseudo_words(20_000 - len(STOP_HEAD), random.Random(a.seed))
+        sample = write_corpus(work / "corpus.jsonl", a.num_docs, vocab, a.seed)
+        queries = make_queries(sample, 4096, a.seed)
+        model = make_tiny_encoder(work / "model", vocab, hidden=a.hidden, max_seq_length=48)
+        t0 = time.perf_counter()
+        flat_dir = build_index(work / "corpus.jsonl", work / "flat", method="dense", model=str(model),
+                               device="cpu", batch_size=256, overwrite=True, show_progress=False)  # fmt: skip
+        res["encode_build_s"] = time.perf_counter() - t0
+        log(f"flat index of {a.num_docs:,} x {a.hidden} built in {res['encode_build_s']:.0f} s")
+        flat = faiss.read_index(str(flat_dir / "dense.faiss"))
+        vectors = flat.reconstruct_n(0, flat.ntotal)
+        params = load_encoder_params(flat_dir)
+        q = encode(load_encoder(params), queries[:2048], params["query_prefix"], 256)
+        _, exact = flat.search(q, 3)
+        res["indexes"] = {}
+        for kind, extra in (("flat", {}), ("hnsw", {"hnsw_m": 32, "ef_search": 128}),
+                            ("ivfpq", {"nlist": 1024, "pq_m": a.hidden // 4, "nprobe": 32})):  # fmt: skip
+            p = {**params, "index_type": kind, "train_size": None, "nprobe": 32, "ef_search": 128, **extra}
+            t0 = time.perf_counter()
+            index = flat if kind == "flat" else build_faiss_index(iter(np.array_split(vectors, 20)), a.hidden, p)
+            build_s = time.perf_counter() - t0
+            if kind == "ivfpq":
+                faiss.extract_index_ivf(index).nprobe = p["nprobe"]
+            if kind == "hnsw":
+                index.hnsw.efSearch = p["ef_search"]
+            hits: list[float] = []
+            t0 = time.perf_counter()
+            for s in range(0, len(q), 64):
+                _, got = index.search(q[s : s + 64], 3)
+                hits += [len(set(g) & set(e)) / 3 for g, e in zip(got, exact[s : s + 64], strict=True)]
+            search_ms = 1000 * (time.perf_counter() - t0) / len(q)
+            path = work / f"{kind}.faiss"
+            faiss.write_index(index, str(path))
+            res["indexes"][kind] = {"recall_at_3_vs_flat": float(np.mean(hits)), "bytes": path.stat().st_size,
+                                    "build_s": build_s, "search_ms_per_query_batch64": search_ms, **extra}  # fmt: skip
+            log(f"{kind}: {res['indexes'][kind]}")
+        del vectors
+
+        ivf_dir = build_index(work / "corpus.jsonl", work / "ivfpq_index", method="dense", model=str(model),
+                              device="cpu", prebuilt_index=str(work / "ivfpq.faiss"), overwrite=True,
+                              show_progress=False)  # fmt: skip
+        res["http"] = []
+        for name, index_dir, wait_ms, per_client in (
+            ("flat unbatched", flat_dir, 0.0, a.per_client),
+            ("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10),
+            ("ivfpq batched", ivf_dir, a.batch_wait_ms, a.per_client * 10),
+        ):
+            with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
+                                     startup_timeout=600, dense={"intra_op_threads": a.dense_threads}) as srv:  # fmt: skip
+                r = asyncio.run(closed_loop(srv.url, queries, a.clients, per_client))
+            res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
+            log(f"{name}: {r}")
+        by = {r["server"]: r for r in res["http"]}
+        res["speedup"] = by["flat batched"]["qps"] / by["flat unbatched"]["qps"]
+        res["loadavg_end"] = os.getloadavg()
+        report(res)
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(res, indent=1))
+    finally:
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def load_encoder_params(index_dir: Path) -> dict[str, Any]:
+    return json.loads((index_dir / "manifest.json").read_text())["params"]
+
+
+def report(res: dict[str, Any]) -> None:
+    print(
+        f"\n== dense retrieval: {res['num_docs']:,} passages x {res['hidden']} dims (tiny encoder), {res['cpus']} CPUs =="
+    )
+    print("load average start -> end:", res["loadavg_start"], "->", res["loadavg_end"])
+    print("\n| index | recall@3 vs flat | bytes | build s | search ms/query (batch 64) |\n|---|---:|---:|---:|---:|")
+    for k, v in res["indexes"].items():
+        print(
+            f"| {k} | {v['recall_at_3_vs_flat']:.3f} | {v['bytes']:,} | {v['build_s']:.1f} | {v['search_ms_per_query_batch64']:.3f} |"
+        )
+    print(
+        f"\n| server ({res['http'][0]['clients']} concurrent single-query clients) | q/s | p50 ms | p99 ms |\n|---|---:|---:|---:|"
+    )
+    for r in res["http"]:
+        print(
+            f"| {r['server']} (wait {r['batch_wait_ms']:g} ms) | {r['qps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |"
+        )
+    ok = res["speedup"] >= TARGET_SPEEDUP
+    print(
+        f"\nbatched / unbatched = {res['speedup']:.1f}x (target >= {TARGET_SPEEDUP:.0f}x) -> {'PASS' if ok else 'FAIL'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
