@@ -53,7 +53,9 @@ def build_index(
     BM25 params: ``k1`` (1.5), ``b`` (0.75), ``stopwords`` ("en"), ``stemmer`` ("english").
     Dense params: ``model`` (local sentence-transformers path, required), ``query_prefix``
     ("query: "), ``passage_prefix`` ("passage: "), ``batch_size`` (64), ``device`` (None = auto),
-    ``max_seq_length`` (None = the model's), ``prebuilt_index`` (adopt an existing faiss index).
+    ``max_seq_length`` (None = the model's), ``prebuilt_index`` (adopt an existing faiss index),
+    ``index_type`` (flat | hnsw | ivfpq) with ``hnsw_m``, ``nlist``, ``pq_m``, ``train_size``,
+    ``nprobe``, ``ef_search`` (see :mod:`.dense`).
     ``workers``: BM25 text analysis in that many processes (same index, faster on many cores).
     ``memory_mb``: BM25 postings budget (default 1/8 of RAM within [256 MB, 4 GB]); postings
     beyond it go to sorted runs on disk, merged at the end, with byte-identical output.
@@ -153,9 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the model's choice)")
     g.add_argument("--max-seq-length", type=int)
     g.add_argument("--prebuilt-index", help="adopt this faiss index (row i = corpus line i) instead of encoding")
+    g.add_argument("--index-type", choices=("flat", "hnsw", "ivfpq"), help="faiss index (default flat, exact)")
+    g.add_argument("--hnsw-m", type=int, help="hnsw: links per node (32)")
+    g.add_argument("--nlist", type=int, help="ivfpq: inverted lists (4096)")
+    g.add_argument("--pq-m", type=int, help="ivfpq: bytes per passage (default: largest divisor of dim <= 64)")
+    g.add_argument("--train-size", type=int, help="ivfpq: passages to train on (default 64 x nlist)")
+    g.add_argument("--nprobe", type=int, help="ivfpq: lists scanned per query (32; also a serve-time option)")
+    g.add_argument("--ef-search", type=int, help="hnsw: search breadth (128; also a serve-time option)")
     a = p.parse_args(argv)
     names = ("k1", "b", "stopwords", "stemmer") if a.method == "bm25" else (
-        "model", "query_prefix", "passage_prefix", "batch_size", "device", "max_seq_length", "prebuilt_index")  # fmt: skip
+        "model", "query_prefix", "passage_prefix", "batch_size", "device", "max_seq_length", "prebuilt_index",
+        "index_type", "hnsw_m", "nlist", "pq_m", "train_size", "nprobe", "ef_search")  # fmt: skip
     params = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     for n in ("stopwords", "stemmer"):
         if params.get(n) == "none":

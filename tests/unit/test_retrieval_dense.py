@@ -94,6 +94,9 @@ def test_dense_cli_and_server(dense_index: tuple[list[str], Path, Path], tmp_pat
     main(["--corpus", str(idx / "docs.jsonl"), "--out", str(tmp_path / "cli"), "--method", "dense",
           "--model", str(model_path), "--device", "cpu", "--no-progress"])  # fmt: skip
     assert json.loads((tmp_path / "cli" / "manifest.json").read_text())["params"]["device"] == "cpu"
+    main(["--corpus", str(idx / "docs.jsonl"), "--out", str(tmp_path / "cli-hnsw"), "--method", "dense",
+          "--model", str(model_path), "--index-type", "hnsw", "--hnsw-m", "8", "--no-progress"])  # fmt: skip
+    assert json.loads((tmp_path / "cli-hnsw" / "dense.json").read_text())["index_type"] == "hnsw"
     moved = tmp_path / "moved-model"
     model_path.rename(moved)  # the server can be pointed at the encoder's new place
     try:
