@@ -31,7 +31,7 @@ from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
 from sorl_verl.embedded.steps import build_lock, log, run_step
 
 #: bump when the content a step produces changes for the same parameters
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: trajectories check the options in letter order up to the gold one
 TOPK = 3
 TAG = "embedded-medical"
 SPLITS = ("train", "val", "test")

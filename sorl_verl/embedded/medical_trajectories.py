@@ -5,9 +5,10 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
 
     <think> I need to search E0. </think>\\n<search> E0 </search>       + information_block(top-k of E0)
     <think> R0 fact of E0 and E1. </think>\\n<search> E1 </search>       + information_block(top-k of E1)
-    <think> R(k-1) fact of E(k-1) and the answer A. Option L is A. </think>\\n<answer> L </answer><|im_end|>
+    <think> R(k-1) fact of E(k-1) and the answer A. A. text no. B. text no. L. A yes. </think>\\n<answer> L </answer><|im_end|>
 
-where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter and the
+where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
+checked in letter order up to the gold one, :func:`option_checks`) and the
 observations come from the real retriever. Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.data.warmstart.tokenize_trajectory`).
 """
@@ -52,9 +53,23 @@ def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[s
         thought = f"I need to search {query}." if i == 0 else _fact(chain[i - 1], hops[i - 1], query)
         segs.append((f"{THINK_OPEN} {thought} {THINK_CLOSE}\n{SEARCH_OPEN} {query} {SEARCH_CLOSE}", True))
         segs.append((information_block(observations[i]), False))
-    final = f"{_fact(chain[-1], hops[-1], answer)} Option {letter} is {answer}."
+    final = " ".join([_fact(chain[-1], hops[-1], answer), *option_checks(question["options"], letter)])
     segs.append((f"{THINK_OPEN} {final} {THINK_CLOSE}\n{ANSWER_OPEN} {letter} {ANSWER_CLOSE}", True))
     return segs
+
+
+def option_checks(options: dict[str, str], letter: str) -> list[str]:
+    """``"A. text no."`` for each option before the gold one, then ``"L. text yes."`` (options in letter order).
+
+    The answer letter is then the last letter written, and each line is a copy of a prompt line:
+    a lookup a small model learns, unlike mapping the answer's text to its letter in one step.
+    """
+    checks = []
+    for key, text in sorted(options.items()):
+        checks.append(f"{key}. {text} {'yes' if key == letter else 'no'}.")
+        if key == letter:
+            return checks
+    raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
 
 
 def sft_questions(

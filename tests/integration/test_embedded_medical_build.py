@@ -118,6 +118,11 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
             ("answer", q["answer_idx"])
         ]
         assert all(turn_well_formed(text) for text, policy in segs if policy)
+        checked = [k for k in sorted(q["options"]) if k <= q["answer_idx"]]
+        assert segs[-1][0].endswith(
+            f"{q['answer_idx']}. {q['answer']} yes. </think>\n<answer> {q['answer_idx']} </answer>"
+        )
+        assert [f"{k}. {q['options'][k]} " in segs[-1][0] for k in q["options"]] == [k in checked for k in q["options"]]
         for i, hop in enumerate(q["hop_queries"]):
             assert f'"{hop}"' in segs[2 * i + 1][0], "the hop's passage is in its observation"
         gt = {"target": [q["answer_idx"]], "options": q["options"]}

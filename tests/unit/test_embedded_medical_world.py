@@ -191,3 +191,14 @@ def test_world_files_read_by_the_medqa_converter_give_the_same_rows(world, tmp_p
     for a, b in zip(converted, ours, strict=True):
         assert a["prompt"] == b["prompt"] and a["reward_model"] == b["reward_model"] and a["ability"] == b["ability"]
         assert a["extra_info"]["id"] == b["extra_info"]["id"]
+
+
+def test_option_checks_walk_the_options_in_letter_order_up_to_the_gold_one() -> None:
+    from sorl_verl.embedded.medical_trajectories import option_checks
+
+    options = {"B": "Kexapril", "A": "Saqys receptor blockade", "C": "liver", "D": "Drakitis"}
+    assert option_checks(options, "A") == ["A. Saqys receptor blockade yes."]
+    assert option_checks(options, "C") == ["A. Saqys receptor blockade no.", "B. Kexapril no.", "C. liver yes."]
+    assert [c.split(".")[0] for c in option_checks(options, "D")] == ["A", "B", "C", "D"]
+    with pytest.raises(ValueError, match="gold letter 'E' is not among the options"):
+        option_checks(options, "E")
