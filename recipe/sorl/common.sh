@@ -212,6 +212,12 @@ sorl_engine_args() {
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=$TRAIN_TP"
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=$TRAIN_PP"
         "actor_rollout_ref.ref.megatron.param_offload=$OFFLOAD"
+        # Megatron builds its own distributed optimizer (no optimizer_impl plug point): drop the
+        # SORL optimizer of sorl_trainer.yaml and let the normalizer act on the loss instead
+        "~actor_rollout_ref.actor.optim.optimizer_impl"
+        "actor_rollout_ref.actor.optim.optimizer=adam"
+        "actor_rollout_ref.actor.optim.override_optimizer_config=null"
+        "actor_rollout_ref.actor.policy_loss.clip_norm_apply=loss"
       )
       [[ $SORL_CRITIC == True ]] && SORL_ARGS+=(
         "critic.megatron.tensor_model_parallel_size=$TRAIN_TP"

@@ -249,6 +249,11 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
     if strategy == "megatron":
         assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
         assert cfg.critic.megatron.pipeline_model_parallel_size == 2
+        # no optimizer plug point in Megatron: the normalizer acts on the loss there
+        assert "optimizer_impl" not in cfg.actor_rollout_ref.actor.optim
+        assert cfg.actor_rollout_ref.actor.policy_loss.clip_norm_apply == "loss"
+    else:
+        assert cfg.actor_rollout_ref.actor.optim.optimizer_impl == "sorl_verl.algorithms.optim"
 
 
 @pytest.mark.parametrize(
