@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 REGIMES = ("on_policy", "mild", "moderate", "heavy")
-TAUS = {"clip_bias_norm": (0.02, 0.05, 0.1, 0.2), "clip_bias_rel": (0.05, 0.1, 0.2, 0.3)}
+TAUS = {"clip_bias_norm": (0.05, 0.1, 0.2, 0.25, 0.3), "clip_bias_rel": (0.1, 0.2, 0.3, 0.4, 0.5)}
 
 
 def quantile(values: list[float], q: float) -> float:
