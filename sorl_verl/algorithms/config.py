@@ -33,10 +33,10 @@ class SORLKnobs:
     """The SORL knobs with their defaults (see docs/algorithms.md)."""
 
     clip_norm_mode: str = "max"
-    clip_norm_tau: float = 1.0
+    clip_norm_tau: float = 0.2
     clip_norm_scope: str = "micro_batch"
     log_ratio_clamp: float = 20.0
-    clip_norm_reference: str = "absolute"
+    clip_norm_reference: str = "relative"
     clip_norm_apply: str = "update"
 
     def __post_init__(self) -> None:
@@ -67,7 +67,7 @@ def validate_knobs(
     clip_norm_tau: Any,
     clip_norm_scope: Any,
     log_ratio_clamp: Any,
-    clip_norm_reference: Any = "absolute",
+    clip_norm_reference: Any = "relative",
     clip_norm_apply: Any = "update",
 ) -> None:
     """Raise ``ValueError`` naming the first bad knob and its allowed values."""
@@ -110,10 +110,10 @@ class SORLPolicyLossConfig(PolicyLossConfig):
     """
 
     clip_norm_mode: str = "max"
-    clip_norm_tau: float = 1.0
+    clip_norm_tau: float = 0.2
     clip_norm_scope: str = "micro_batch"
     log_ratio_clamp: float = 20.0
-    clip_norm_reference: str = "absolute"
+    clip_norm_reference: str = "relative"
     clip_norm_apply: str = "update"
     rollout_rs: str | None = None
 

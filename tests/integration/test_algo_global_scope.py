@@ -35,7 +35,7 @@ def actor(scope: str) -> ActorConfig:
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=4,
-        policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5),
+        policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5, clip_norm_reference="absolute"),
     )
 
 
@@ -51,7 +51,7 @@ old, new, adv, mask = torch.load(path)[rank]
 out = {}
 for scope in ("global", "micro_batch"):
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4,
-                         policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5))
+                         policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5, clip_norm_reference="absolute"))
     _, metrics = compute_policy_loss_so_grpo(old, new, adv, mask, "token-mean", config)
     out[scope] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
 dist.destroy_process_group()
@@ -115,7 +115,7 @@ if rank >= 2:
     set_data_parallel_group(groups[1])
     old, new, adv, mask = torch.load(path)[rank - 2]
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4,
-                         policy_loss=SORLPolicyLossConfig(clip_norm_scope="global", clip_norm_tau=0.5))
+                         policy_loss=SORLPolicyLossConfig(clip_norm_scope="global", clip_norm_tau=0.5, clip_norm_reference="absolute"))
     _, metrics = compute_policy_loss_so_grpo(old, new, adv, mask, "token-mean", config)
     out["global"] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
 dist.barrier()

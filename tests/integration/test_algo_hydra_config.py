@@ -29,10 +29,10 @@ actor_rollout_ref:
       _target_: sorl_verl.algorithms.config.SORLPolicyLossConfig
       loss_mode: so_grpo
       clip_norm_mode: max
-      clip_norm_tau: 1.0
+      clip_norm_tau: 0.2
       clip_norm_scope: micro_batch
       log_ratio_clamp: 20.0
-      clip_norm_reference: absolute
+      clip_norm_reference: relative
       clip_norm_apply: update
 """
 

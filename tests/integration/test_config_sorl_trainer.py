@@ -29,6 +29,8 @@ ALL_KNOBS = {
     "clip_norm_tau": ("0.25", 0.25),
     "clip_norm_scope": ("global", "global"),
     "log_ratio_clamp": ("7.5", 7.5),
+    "clip_norm_reference": ("absolute", "absolute"),
+    "clip_norm_apply": ("loss", "loss"),
 }
 
 
@@ -58,10 +60,14 @@ def test_defaults_select_so_grpo_with_the_sorl_trainer():
     assert (loss.loss_mode, loss.clip_norm_mode, loss.clip_norm_tau, loss.clip_norm_scope, loss.log_ratio_clamp) == (
         "so_grpo",
         "max",
-        1.0,
+        0.2,
         "micro_batch",
         20.0,
     )
+    assert (loss.clip_norm_reference, loss.clip_norm_apply) == ("relative", "update")
+    # the update-level normalizer's optimizer, and its update log next to the checkpoints
+    assert actor.optim.optimizer_impl == "sorl_verl.algorithms.optim" and actor.optim.optimizer == "AdamW"
+    assert actor.optim.override_optimizer_config["update_log"].endswith("/sorl_updates.jsonl")
     # verl's own settings come through from ppo_trainer untouched
     assert actor.clip_ratio_low == 0.2 and actor.loss_agg_mode == "token-mean"
 

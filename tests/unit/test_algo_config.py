@@ -9,14 +9,16 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 from sorl_verl.algorithms.config import SORLKnobs, SORLPolicyLossConfig, read_knobs
 
 
-def test_defaults_follow_the_spec():
+def test_defaults_follow_the_calibration():
+    """docs/algorithms.md#calibration-of-the-trigger: relative reference, tau 0.2, applied to the update."""
     config = SORLPolicyLossConfig()
     assert (config.clip_norm_mode, config.clip_norm_tau, config.clip_norm_scope, config.log_ratio_clamp) == (
         "max",
-        1.0,
+        0.2,
         "micro_batch",
         20.0,
     )
+    assert (config.clip_norm_reference, config.clip_norm_apply) == ("relative", "update")
     assert isinstance(config, PolicyLossConfig) and config.loss_mode == "vanilla"
 
 

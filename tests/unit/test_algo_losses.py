@@ -209,7 +209,7 @@ def expected_clip_bias_norm(old, new, adv, mask, turn_level, low=0.2, high=0.2, 
 def test_heavy_clipping_normalizes_and_shrinks_gradient(name, turn_level, clip_norm_mode, tau):
     mask = ragged_mask(seed=7)
     old, new, adv = batch(mask, spread=1.5)
-    config = actor_config(clip_norm_mode=clip_norm_mode, clip_norm_tau=tau)
+    config = actor_config(clip_norm_mode=clip_norm_mode, clip_norm_tau=tau, clip_norm_reference="absolute")
     loss, grad, metrics = loss_and_grad(get_policy_loss_fn(name), old, new, adv, mask, config=config)
     plain = actor_config(clip_norm_mode="none")
     ref_loss, ref_grad, ref_metrics = loss_and_grad(get_policy_loss_fn(name), old, new, adv, mask, config=plain)
@@ -313,8 +313,16 @@ def test_knobs_read_from_plain_verl_policy_loss_config_use_defaults():
     old, new, adv = batch(mask, spread=1.5)
     plain = loss_and_grad(get_policy_loss_fn("so_ppo"), old, new, adv, mask, config=actor_config())
     explicit = loss_and_grad(
-        get_policy_loss_fn("so_ppo"), old, new, adv, mask, config=actor_config(clip_norm_mode="max", clip_norm_tau=1.0)
+        get_policy_loss_fn("so_ppo"),
+        old,
+        new,
+        adv,
+        mask,
+        config=actor_config(
+            clip_norm_mode="max", clip_norm_tau=0.2, clip_norm_reference="relative", clip_norm_apply="update"
+        ),
     )
+    assert plain[2]["sorl/norm_factor"] > 1.0  # the defaults act on this heavily clipped micro-batch
     assert torch.equal(plain[0], explicit[0]) and plain[2] == explicit[2]
 
 
