@@ -33,7 +33,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from retrieval import STOP_HEAD, pseudo_words  # noqa: E402
+from retrieval import STOP_HEAD, cpu_seconds, pseudo_words  # noqa: E402
 
 from sorl_verl.retrieval.build import build_index  # noqa: E402
 from sorl_verl.retrieval.dense import build_faiss_index, encode, load_encoder  # noqa: E402
@@ -106,6 +106,7 @@ def main() -> None:
                     help="torch/faiss threads per search, here and in the servers (1: a shared, busy CPU)")  # fmt: skip
     ap.add_argument("--workdir", help="keep corpus, model and indexes here (default: a temporary directory)")
     ap.add_argument("--json-out")
+    ap.add_argument("--reuse", action="store_true", help="reuse corpus, model and flat index already in --workdir")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
@@ -124,14 +125,39 @@ def main() -> None:
     res["dense_threads"] = a.dense_threads
     try:
         vocab = list(STOP_HEAD) + pseudo_words(20_000 - len(STOP_HEAD), random.Random(a.seed))
-        sample = write_corpus(work / "corpus.jsonl", a.num_docs, vocab, a.seed)
+        flat_dir, model = work / "flat", work / "model" / "st"
+        if a.reuse and (flat_dir / "manifest.json").is_file():
+            sample = [line.split("\n", 1)[1].split() for line in _sample_contents(work / "corpus.jsonl")]
+        else:
+            sample = write_corpus(work / "corpus.jsonl", a.num_docs, vocab, a.seed)
+            model = make_tiny_encoder(work / "model", vocab, hidden=a.hidden, max_seq_length=48)
+            t0 = time.perf_counter()
+            flat_dir = build_index(work / "corpus.jsonl", flat_dir, method="dense", model=str(model),
+                                   device="cpu", batch_size=256, overwrite=True, show_progress=False)  # fmt: skip
+            res["encode_build_s"] = time.perf_counter() - t0
+            log(f"flat index of {a.num_docs:,} x {a.hidden} built in {res['encode_build_s']:.0f} s")
         queries = make_queries(sample, 4096, a.seed)
-        model = make_tiny_encoder(work / "model", vocab, hidden=a.hidden, max_seq_length=48)
-        t0 = time.perf_counter()
-        flat_dir = build_index(work / "corpus.jsonl", work / "flat", method="dense", model=str(model),
-                               device="cpu", batch_size=256, overwrite=True, show_progress=False)  # fmt: skip
-        res["encode_build_s"] = time.perf_counter() - t0
-        log(f"flat index of {a.num_docs:,} x {a.hidden} built in {res['encode_build_s']:.0f} s")
+        res["http"] = []
+
+        def serve(
+            name: str, index_dir: Path, wait_ms: float, per_client: int, threads: int | None = a.dense_threads
+        ) -> None:
+            with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
+                                     startup_timeout=600, dense={"intra_op_threads": threads}) as srv:  # fmt: skip
+                cpu0 = cpu_seconds(srv.pid)
+                r = asyncio.run(closed_loop(srv.url, queries, a.clients, per_client))
+                r["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(srv.pid) - cpu0) / (2 * r["requests"])
+            res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
+            log(f"{name}: {r}")
+
+        serve("flat unbatched", flat_dir, 0.0, a.per_client)
+        serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
+        serve("flat unbatched, default threads (as before)", flat_dir, 0.0, max(1, a.per_client // 4), threads=None)
+        by = {r["server"]: r for r in res["http"]}
+        res["speedup"] = by["flat batched"]["qps"] / by["flat unbatched"]["qps"]
+        log(f"batched / unbatched: {res['speedup']:.1f}x")
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(res, indent=1))
         flat = faiss.read_index(str(flat_dir / "dense.faiss"))
         vectors = flat.reconstruct_n(0, flat.ntotal)
         params = load_encoder_params(flat_dir)
@@ -164,19 +190,7 @@ def main() -> None:
         ivf_dir = build_index(work / "corpus.jsonl", work / "ivfpq_index", method="dense", model=str(model),
                               device="cpu", prebuilt_index=str(work / "ivfpq.faiss"), overwrite=True,
                               show_progress=False)  # fmt: skip
-        res["http"] = []
-        for name, index_dir, wait_ms, per_client in (
-            ("flat unbatched", flat_dir, 0.0, a.per_client),
-            ("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10),
-            ("ivfpq batched", ivf_dir, a.batch_wait_ms, a.per_client * 10),
-        ):
-            with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
-                                     startup_timeout=600, dense={"intra_op_threads": a.dense_threads}) as srv:  # fmt: skip
-                r = asyncio.run(closed_loop(srv.url, queries, a.clients, per_client))
-            res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
-            log(f"{name}: {r}")
-        by = {r["server"]: r for r in res["http"]}
-        res["speedup"] = by["flat batched"]["qps"] / by["flat unbatched"]["qps"]
+        serve("ivfpq batched", ivf_dir, a.batch_wait_ms, a.per_client * 10)
         res["loadavg_end"] = os.getloadavg()
         report(res)
         if a.json_out:
@@ -184,6 +198,11 @@ def main() -> None:
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _sample_contents(corpus: Path, every: int = 20) -> list[str]:
+    with open(corpus, encoding="utf-8") as f:
+        return [json.loads(line)["contents"] for i, line in enumerate(f) if i % every == 0][:20_000]
 
 
 def load_encoder_params(index_dir: Path) -> dict[str, Any]:
