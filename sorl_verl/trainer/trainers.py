@@ -110,6 +110,10 @@ class SORLValuesHook:
 
     def __init__(self, config: DictConfig) -> None:
         check_critic_enabled(config)
+        # one real search before any worker starts: a dead or wrong retrieval URL stops the run here
+        from sorl_verl.agent.retrieval_guard import preflight_from_config
+
+        preflight_from_config(config)
         super().__init__(config)  # type: ignore[call-arg]
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
