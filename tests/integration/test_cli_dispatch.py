@@ -66,7 +66,7 @@ def test_usage_unknown_command_and_exit_codes(capsys):
 def test_arguments_reach_the_module_and_exit_codes_come_back(tmp_path, monkeypatch, capsys):
     """Real modules: convert writes the parquet the python -m form writes; eval's exit 2 on bad input."""
     raw = tmp_path / "nq.jsonl"
-    raw.write_text("".join(json.dumps({"question": f"q{i}?", "golden_answers": ["a"]}) + "\n" for i in range(3)))
+    raw.write_text("".join(json.dumps({"question": f"q{i}?", "golden_answers": ["x"]}) + "\n" for i in range(3)))
     assert cli.main(["convert", "--dataset", "nq", "--input", str(raw), "--output", str(tmp_path / "a.parquet")]) == 0
     proc = _run(
         "-m", "sorl_verl.data.convert", "--dataset", "nq", "--input", str(raw), "--output", str(tmp_path / "b.parquet")
