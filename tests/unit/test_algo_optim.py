@@ -169,3 +169,24 @@ def test_doctor_lists_the_plug_point():
     resolved = resolve_in_this_process()["resolved"]["optimizer"]
     assert set(resolved) == {f"sorl_verl.algorithms.optim.{name}" for name in ("AdamW", "Adam", "SGD")}
     assert all(status.startswith("ok") for status in resolved.values())
+
+
+def test_scaling_composes_with_verls_gradient_clipping():
+    """verl clips the gradient norm before ``step``; the step factor then scales that clipped step."""
+    model, grads = model_and_grads(seed=6)
+    twin_model = copy.deepcopy(model)
+    opt, twin = optim.AdamW(model.parameters(), lr=1e-2), optim.AdamW(twin_model.parameters(), lr=1e-2)
+    deltas = []
+    for o, m, z in ((twin, twin_model, [1.0]), (opt, model, [4.0])):
+        o.zero_grad()
+        for p, g in zip(m.parameters(), grads[0], strict=True):
+            p.grad = g.clone() * 100
+        total = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1.0)
+        assert total > 1.0  # clipping acted
+        for value in z:
+            optim.LEDGER.record(1.0 / value, value, 0.0, 0.0)
+        before = [p.detach().clone() for p in m.parameters()]
+        o.step()
+        deltas.append([p.detach() - b for p, b in zip(m.parameters(), before, strict=True)])
+    for s, p in zip(deltas[1], deltas[0], strict=True):
+        torch.testing.assert_close(s, p / 4, rtol=0, atol=atol_for(model))
