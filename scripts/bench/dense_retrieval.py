@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--workdir", help="keep corpus, model and indexes here (default: a temporary directory)")
     ap.add_argument("--json-out")
     ap.add_argument("--reuse", action="store_true", help="reuse corpus, model and flat index already in --workdir")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only recall@3 vs flat of the hnsw/ivfpq indexes saved in --workdir, over ef_search/nprobe")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
@@ -137,6 +139,13 @@ def main() -> None:
             res["encode_build_s"] = time.perf_counter() - t0
             log(f"flat index of {a.num_docs:,} x {a.hidden} built in {res['encode_build_s']:.0f} s")
         queries = make_queries(sample, 4096, a.seed)
+        if a.sweep_only:
+            res["sweep"] = sweep(work, flat_dir, queries[:2048])
+            for row in res["sweep"]:
+                log(str(row))
+            if a.json_out:
+                Path(a.json_out).write_text(json.dumps(res, indent=1))
+            return
         res["http"] = []
 
         def serve(
@@ -198,6 +207,29 @@ def main() -> None:
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def sweep(work: Path, flat_dir: Path, queries: list[str]) -> list[dict[str, Any]]:
+    """Recall@3 vs flat and search time of the saved hnsw and ivfpq indexes at several search breadths."""
+    import faiss
+
+    params = load_encoder_params(flat_dir)
+    q = encode(load_encoder(params), queries, params["query_prefix"], 256)
+    _, exact = faiss.read_index(str(work / "flat.faiss")).search(q, 3)
+    rows = []
+    for kind, knob, values in (("hnsw", "ef_search", (64, 128, 512, 2048)), ("ivfpq", "nprobe", (8, 32, 128, 512))):
+        index = faiss.read_index(str(work / f"{kind}.faiss"))
+        for v in values:
+            if kind == "hnsw":
+                index.hnsw.efSearch = v
+            else:
+                faiss.extract_index_ivf(index).nprobe = v
+            t0 = time.perf_counter()
+            _, got = index.search(q, 3)
+            ms = 1000 * (time.perf_counter() - t0) / len(q)
+            recall = float(np.mean([len(set(g) & set(e)) / 3 for g, e in zip(got, exact, strict=True)]))
+            rows.append({"index": kind, knob: v, "recall_at_3_vs_flat": recall, "search_ms_per_query": ms})
+    return rows
 
 
 def _sample_contents(corpus: Path, every: int = 20) -> list[str]:
