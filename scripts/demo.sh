@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: SORL trained by verl's own main_ppo on this CPU-only machine.
 #
-#   bash scripts/demo.sh [--algo so_grpo|so_ppo|grpo|ppo] [--steps N] [-- hydra overrides...]
+#   bash scripts/demo.sh [--algo so_grpo|so_ppo|grpo|ppo] [--task qa|medical] [--steps N] [-- hydra overrides...]
 #
 # Sets up .venv if needed, builds the embedded default if missing (synthetic world, BM25 index,
 # tiny tokenizer + Qwen2 model warm-started on expert search trajectories), starts the retrieval
@@ -16,12 +16,15 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 ALGO=so_grpo
+TASK=qa
 STEPS=30
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --algo) ALGO=$2; shift 2 ;;
     --algo=*) ALGO=${1#*=}; shift ;;
+    --task) TASK=$2; shift 2 ;;
+    --task=*) TASK=${1#*=}; shift ;;
     --steps) STEPS=$2; shift 2 ;;
     --steps=*) STEPS=${1#*=}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -36,6 +39,10 @@ case "$ALGO" in
   ppo) ALGO_ARGS=(algorithm.adv_estimator=gae actor_rollout_ref.actor.policy_loss.loss_mode=vanilla critic.enable=True) ;;
   *) echo "--algo must be so_grpo, so_ppo, grpo or ppo (got $ALGO)" >&2; exit 2 ;;
 esac
+case "$TASK" in
+  qa|medical) ;;
+  *) echo "--task must be qa or medical (got $TASK)" >&2; exit 2 ;;
+esac
 
 T0=$(date +%s)
 bash scripts/setup_env.sh
@@ -44,22 +51,12 @@ bash scripts/setup_env.sh
 export SORL_HOME=${SORL_HOME:-$ROOT/.sorl_cache}
 export VERL_PLATFORM=cpu TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-echo "[demo] embedded default under $SORL_HOME/embedded (built on first use)"
-eval "$(python - <<'EOF'
-import contextlib, shlex, sys
-from sorl_verl.data.embedded import ensure_embedded_default
-from sorl_verl.cpu.chatml_alias import chatml_alias
+echo "[demo] embedded default of task $TASK under $SORL_HOME (built on first use)"
+# build progress goes to stderr; only TRAIN/VAL/INDEX/MODEL/TASK_OVERLAY reach the eval
+PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK")  # a failed build stops here (set -e)
+eval "$PATHS"
 
-with contextlib.redirect_stdout(sys.stderr):  # build progress to the terminal, only variables to eval
-    p = ensure_embedded_default()
-print(f"TRAIN={shlex.quote(str(p.parquet['train']))}")
-print(f"VAL={shlex.quote(str(p.parquet['val']))}")
-print(f"INDEX={shlex.quote(str(p.index_dir))}")
-print(f"MODEL={shlex.quote(str(chatml_alias(p.model_dir)))}")
-EOF
-)"
-
-RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-$(date +%Y%m%d-%H%M%S)}
+RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-${TASK}-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$RUN_DIR"
 LOG=$RUN_DIR/train.log
 METRICS=$RUN_DIR/metrics.jsonl
@@ -86,12 +83,12 @@ echo "[demo] retrieval server $URL (pid $SERVER_PID)"
 
 echo "[demo] verl main_ppo: algo=$ALGO steps=$STEPS; full log $LOG"
 VERL_FILE_LOGGER_PATH=$METRICS python -m verl.trainer.main_ppo \
-  --config-path "$ROOT/recipe/sorl/config" --config-name sorl_trainer +task=search_qa +platform=cpu \
+  --config-path "$ROOT/recipe/sorl/config" --config-name sorl_trainer +task="$TASK_OVERLAY" +platform=cpu \
   data.train_files="$TRAIN" data.val_files="$VAL" \
   actor_rollout_ref.model.path="$MODEL" \
   sorl.agent.retrieval_url="$URL" \
   trainer.total_training_steps="$STEPS" \
-  trainer.experiment_name="$ALGO-embedded" \
+  trainer.experiment_name="$ALGO-$TASK-embedded" \
   trainer.default_local_dir="$CKPT" \
   trainer.save_freq="$STEPS" \
   "${ALGO_ARGS[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 &
