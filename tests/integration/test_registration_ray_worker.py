@@ -106,4 +106,4 @@ def test_console_script_and_module_entry_share_the_doctor_cli():
     proc = subprocess.run([script, "doctor", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--json" in proc.stdout and "--no-ray" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "sorl_verl", "no-such-command"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "doctor" in bad.stdout
+    assert bad.returncode == 2 and "doctor" in bad.stderr  # usage on stderr for a bad command
