@@ -66,8 +66,8 @@ class UpdateLedger:
     def take(self) -> dict[str, list[float]]:
         """Return and clear the records of the current step."""
         with self.lock:
-            out = {"inv_z": self.inv_z, "z": self.z, "clip_bias_norm": self.clip_bias_norm}
-            out["clip_bias_rel"] = self.clip_bias_rel
+            out = {"inv_z": self.inv_z, "z": self.z, "clip_bias_norm": self.clip_bias_norm,
+                   "clip_bias_rel": self.clip_bias_rel}  # fmt: skip
             self.inv_z, self.z, self.clip_bias_norm, self.clip_bias_rel = [], [], [], []
         return out
 
@@ -79,20 +79,19 @@ class UpdateLedger:
 LEDGER = UpdateLedger()
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor parameter (the tensor itself otherwise)."""
+    return p._local_tensor if getattr(p, "_local_tensor", None) is not None else p
+
+
 def _all_reduce_sum(values: list[float], params: list[torch.Tensor]) -> list[float]:
     """Sum ``values`` over the data-parallel group (identity without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(data_parallel_group()) == 1:
         return values
-    device = params[0].device if params else torch.device("cpu")
-    if getattr(params[0], "_local_tensor", None) is not None:
-        device = params[0]._local_tensor.device
+    device = _local(params[0]).device if params else torch.device("cpu")
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=data_parallel_group())
     return t.tolist()
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p._local_tensor if getattr(p, "_local_tensor", None) is not None else p
 
 
 class UpdateScaledOptimizer:
