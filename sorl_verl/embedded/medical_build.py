@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sorl_verl.data.embedded import EmbeddedPaths
 from sorl_verl.data.tiny_model import TinyModelSpec
 from sorl_verl.data.warmstart import Observer, SFTConfig
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
@@ -56,18 +57,8 @@ class MedicalEmbeddedConfig:
     num_threads: int = 1
 
 
-@dataclass(frozen=True)
-class MedicalPaths:
-    """Where the built artefacts are."""
-
-    root: Path
-    corpus: Path
-    questions: dict[str, Path]  # split -> jsonl
-    parquet: dict[str, Path]  # "train", "val", "test", "val_diagnosis", ... -> parquet
-    index_dir: Path
-    tokenizer_dir: Path
-    model_dir: Path
-    report: Path
+#: where the built artefacts are: the QA default's layout ("val_diagnosis", ... per question type)
+MedicalPaths = EmbeddedPaths
 
 
 def default_root() -> Path:
