@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import Observer, SFTConfig
+from sorl_verl.data.warmstart import Observer, SFTConfig, warmstart_report
 
 #: bump when the content a step produces changes for the same parameters
 BUILD_VERSION = 3  # 2: EOS named <|im_end|>; 3: Qwen2 pre-tokenization
@@ -205,19 +205,7 @@ def ensure_embedded_default(root: str | Path | None = None, force: bool = False,
         evalset = [q for k in cfg.eval_hops for q in [q for q in questions["val"] if q["hops"] == k][: cfg.eval_per_hop]]
         ev = evaluate_em(model, tok, evalset, observe)
         save_model(model, tok, tmp)
-        lens = sorted(len(ids) for ids, _ in examples)
-        resp = sorted(len(m) - m.index(1) for _, m in examples)
-        report = {
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-            "num_examples": len(examples),
-            "example_tokens_p50_max": [lens[len(lens) // 2], lens[-1]],
-            "response_tokens_p50_p95_max": [resp[len(resp) // 2], resp[int(len(resp) * 0.95)], resp[-1]],
-            "expert_data_seconds": round(t_data, 2),
-            "sft_seconds": round(t_train, 2),
-            "loss_first10": sum(losses[:10]) / len(losses[:10]),
-            "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-            "eval": ev,
-        }
+        report = warmstart_report(model, examples, t_data, t_train, losses, ev)
         (tmp / "warmstart.json").write_text(json.dumps(report, indent=1))
         print(f"[embedded] warm-start: loss {report['loss_first10']:.3f} -> {report['loss_last10']:.3f}; greedy EM "
               + ", ".join(f"{k}={v:.2f}" for k, v in ev.items() if k.startswith("em")), flush=True)

@@ -288,3 +288,21 @@ def evaluate_em(model, tokenizer, questions: Sequence[dict[str, Any]], observe: 
     result["samples"] = [{"question": q["question"], "gold": q["golden_answers"], "response": r}
                          for q, r in list(zip(questions, responses, strict=True))[:3]]
     return result
+
+
+def warmstart_report(model: Any, examples: Sequence[tuple[list[int], list[int]]], t_data: float, t_train: float,
+                     losses: Sequence[float], evals: Any) -> dict[str, Any]:
+    """The ``warmstart.json`` record of a build: size, token-length quantiles, timings, losses, eval."""
+    lens = sorted(len(ids) for ids, _ in examples)
+    resp = sorted(len(m) - m.index(1) for _, m in examples)
+    return {
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_examples": len(examples),
+        "example_tokens_p50_max": [lens[len(lens) // 2], lens[-1]],
+        "response_tokens_p50_p95_max": [resp[len(resp) // 2], resp[int(len(resp) * 0.95)], resp[-1]],
+        "expert_data_seconds": round(t_data, 2),
+        "sft_seconds": round(t_train, 2),
+        "loss_first10": sum(losses[:10]) / len(losses[:10]),
+        "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
+        "eval": evals,
+    }

@@ -27,7 +27,7 @@ from typing import Any
 
 from sorl_verl.data.embedded import EmbeddedPaths
 from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import Observer, SFTConfig
+from sorl_verl.data.warmstart import Observer, SFTConfig, warmstart_report
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
 from sorl_verl.embedded.steps import build_lock, log, run_step
 
@@ -242,19 +242,7 @@ def _warm_start(
     evalset = eval_questions(questions["val"], cfg.eval_per_type)
     evals = {f"T{t:g}": evaluate_mcq(model, tok, evalset, observe, t, cfg.max_turns) for t in cfg.eval_temperatures}
     save_model(model, tok, out)
-    lens = sorted(len(ids) for ids, _ in examples)
-    resp = sorted(len(m) - m.index(1) for _, m in examples)
-    report = {
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "num_examples": len(examples),
-        "example_tokens_p50_max": [lens[len(lens) // 2], lens[-1]],
-        "response_tokens_p50_p95_max": [resp[len(resp) // 2], resp[int(len(resp) * 0.95)], resp[-1]],
-        "expert_data_seconds": round(t_data, 2),
-        "sft_seconds": round(t_train, 2),
-        "loss_first10": sum(losses[:10]) / len(losses[:10]),
-        "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
-        "eval": evals,
-    }
+    report = warmstart_report(model, examples, t_data, t_train, losses, evals)
     (out / "warmstart.json").write_text(json.dumps(report, indent=1))
     log(
         TAG,
