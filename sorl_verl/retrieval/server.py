@@ -195,9 +195,13 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        stats: dict[str, Any] = batcher.stats() if batcher is not None else {}
+        scorer_stats = getattr(getattr(searcher, "scorer", None), "stats", None)
+        if scorer_stats is not None:
+            stats.update(scorer_stats())
         return {
             "status": "ok", "method": method, "num_docs": searcher.num_docs, "limits": asdict(limits),
-            "serving": serving,
+            "serving": serving, "stats": stats,
         }  # fmt: skip
 
     @app.post("/retrieve")
