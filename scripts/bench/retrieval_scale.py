@@ -221,7 +221,9 @@ def bench_size(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dic
             f"peak RSS {res['build']['peak_rss_mb']:.0f} MiB, index {res['index_mb']:.0f} MiB")  # fmt: skip
     queries = make_queries(index, 8192, 0)
     t0 = time.perf_counter()
-    with serve_in_background(index, subprocess_mode=True, mmap=True, max_queries=4096, startup_timeout=600) as srv:
+    with serve_in_background(
+        index, subprocess_mode=True, mmap=True, max_queries=4096, startup_timeout=600, threads=a.threads
+    ) as srv:
         res["serve_start_s"] = time.perf_counter() - t0
         res["serve_rss_start_mb"] = proc_status(srv.pid)
         runs = [(1, 1, 600), (16, 1, 200), (256, 1, 24)]
@@ -283,6 +285,7 @@ def main() -> None:
     ap.add_argument(
         "--compare-workers", type=int, default=40, help="also burst a server with this many workers (0: skip)"
     )
+    ap.add_argument("--threads", type=int, default=1, help="server --threads (BM25 scoring threads per batch)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse an index already built in --workdir")
     a = ap.parse_args()
@@ -297,7 +300,7 @@ def main() -> None:
         results = [r for r in results if r["num_docs"] != n] + [res]
         results.sort(key=lambda r: r["num_docs"])
         meta = {"cpus": os.cpu_count(), "nice": os.nice(0), "rss_limit_gb": a.rss_limit_gb, "targets": TARGETS,
-                "build_memory_mb": a.build_memory_mb, "vocab": a.vocab}  # fmt: skip
+                "build_memory_mb": a.build_memory_mb, "vocab": a.vocab, "threads": a.threads}  # fmt: skip
         out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(table(results))
 

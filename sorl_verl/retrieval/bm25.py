@@ -274,7 +274,11 @@ class BM25Scorer:
             return []
         if len(slices) == 1:  # one term: its postings are the scores
             start, end, w = slices[0]
-            return self._select(np.asarray(self.indices[start:end]), w * self.data[start:end], k)
+            vals = self.data[start:end] if w == 1.0 else w * self.data[start:end]
+            if end - start > k:  # keep the k-th best (cached; float32 scaling keeps the order) and its ties
+                keep = np.flatnonzero(vals >= np.float32(w) * np.float32(self._kth_largest(start, end, k)))
+                return self._select(self.indices[start + keep], vals[keep], k)
+            return self._select(self.indices[start:end], vals, k)
         if sum(end - start for start, end, _ in slices) <= self.exhaustive_postings:
             return self._accumulate_select(slices, k, acc, stamp)
         # theta: a lower bound on the k-th best score, from partial scores (each <= the full score) of
@@ -307,15 +311,16 @@ class BM25Scorer:
         elif essential:
             try:
                 touched = self._accumulate(essential, acc)
-                longest = max(touched, key=len)
-                if len(longest) >= k:  # one list has unique documents: its k-th partial score bounds theta too
-                    theta = max(theta, float(np.partition(acc[longest], len(longest) - k)[len(longest) - k]))
             except BaseException:
                 for start, end, _ in essential:  # the scratch array must be all zeros for the next query
                     acc[self.indices[start:end]] = 0.0
                 raise
             floor = theta - non_bound - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
             cand, partial = self._harvest(touched, acc, floor)
+            if len(cand) > k:  # the candidates hold every partial score >= floor: their k-th best bounds theta
+                theta = max(theta, float(np.partition(partial, len(cand) - k)[len(cand) - k]))
+                keep = np.flatnonzero(partial >= theta - non_bound - 1e-5 * max(1.0, abs(theta)))
+                cand, partial = cand[keep], partial[keep]
         else:  # float rounding put every term below theta: score every document exhaustively
             return self._accumulate_select(slices, k, acc, stamp)
         non_slices = [(int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non) if ends[i] > starts[i]]
