@@ -19,6 +19,9 @@ Run it at low priority on a shared machine:
 
     nice -n 19 python scripts/bench/retrieval_scale.py --workdir /tmp/rscale --json-out scale.json
     nice -n 19 python scripts/bench/retrieval_scale.py --sizes 10000000 --workdir /tmp/rscale ...
+    # in-process scorer CPU per query on indexes kept there (--keep), top-3 checked against a saved run
+    nice -n 19 python scripts/bench/retrieval_scale.py --sizes 1000000 --workdir /tmp/rscale --scoring-only \
+        --topk-compare before.json --json-out scoring.json
 """
 
 from __future__ import annotations
@@ -254,6 +257,35 @@ def bench_size(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dic
     return res
 
 
+def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """In-process BM25 scoring of ``--queries`` queries on the index already in --workdir: CPU ms per query.
+
+    The scorer runs the queries ``--reps`` times (the first run warms the page cache and the
+    k-th-score cache; every run is reported). ``--topk-out`` saves the top-k (document, score)
+    rows; ``--topk-compare`` checks them against a saved file: identical ids and float scores.
+    """
+    from sorl_verl.retrieval.index import load_searcher
+
+    index = Path(a.workdir) / f"n{n}" / "index"
+    queries = make_queries(index, a.queries, 0)
+    scorer = load_searcher(index, mmap=True).scorer
+    runs = []
+    for _ in range(a.reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        rows = scorer.topk_ids(queries, 3)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        runs.append({"cpu_ms_per_query": 1000 * cpu / len(queries), "wall_ms_per_query": 1000 * wall / len(queries)})
+        log(f"[{n:,}] scoring {len(queries)} queries: {runs[-1]}")
+    res: dict[str, Any] = {"num_docs": n, "queries": len(queries), "runs": runs, "loadavg": os.getloadavg()}
+    if a.topk_out:
+        Path(a.topk_out).write_text(json.dumps(rows))
+    if a.topk_compare:
+        expected = [[tuple(h) for h in row] for row in json.loads(Path(a.topk_compare).read_text())]
+        res["differing_queries"] = sum(x != y for x, y in zip(rows, expected, strict=True))
+        log(f"[{n:,}] top-3 differs from {a.topk_compare} on {res['differing_queries']} of {len(rows)} queries")
+    return res
+
+
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| passages | build wall s | build CPU s | build peak RSS MiB | index MiB | serve start s | serve RSS / anon MiB "
             "| q/s b1 | q/s b16 | q/s b256 | p50/p99 b16 ms | 64-burst RSS growth MiB (anon) | wrong |",
@@ -286,6 +318,12 @@ def main() -> None:
         "--compare-workers", type=int, default=40, help="also burst a server with this many workers (0: skip)"
     )
     ap.add_argument("--threads", type=int, default=1, help="server --threads (BM25 scoring threads per batch)")
+    ap.add_argument("--scoring-only", action="store_true",
+                    help="only in-process scorer CPU per query on the index already in --workdir (see scoring_only)")  # fmt: skip
+    ap.add_argument("--queries", type=int, default=2048, help="--scoring-only: number of queries")
+    ap.add_argument("--reps", type=int, default=2, help="--scoring-only: runs over the queries")
+    ap.add_argument("--topk-out", help="--scoring-only: save the top-3 rows (JSON)")
+    ap.add_argument("--topk-compare", help="--scoring-only: compare the top-3 rows with a saved file")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse an index already built in --workdir")
     a = ap.parse_args()
@@ -295,6 +333,10 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
+    if a.scoring_only:
+        scoring = [scoring_only(int(x), a, log) for x in a.sizes.split(",")]
+        out.write_text(json.dumps({"meta": {"cpus": os.cpu_count(), "nice": os.nice(0)}, "scoring": scoring}, indent=1))
+        return
     for n in (int(x) for x in a.sizes.split(",")):
         res = bench_size(n, a, log)
         results = [r for r in results if r["num_docs"] != n] + [res]
