@@ -50,12 +50,12 @@ def bm25_params(**overrides: Any) -> dict[str, Any]:
 
 
 class ScratchPool:
-    """At most ``size`` pairs of full-corpus scratch arrays, each lent to one query at a time.
+    """At most ``size`` full-corpus scratch accumulators, each lent to one query at a time.
 
-    A pair is ``(acc, stamp)``: float32 score accumulator (all zeros between queries) and int32
-    stamps for O(n) de-duplication, 8 bytes per passage together. Pairs are made on first
-    need and reused (last returned, first lent); a query that finds all ``size`` pairs in use
-    waits, so scratch memory is ``<= size * 8 * num_docs`` bytes whatever the concurrency.
+    An accumulator is a float32 array of ``num_docs`` scores, all zeros between queries (4 bytes
+    per passage). Accumulators are made on first need and reused (last returned, first lent); a
+    query that finds all ``size`` in use waits, so scratch memory is ``<= size * 4 * num_docs``
+    bytes whatever the concurrency.
     """
 
     def __init__(self, num_docs: int, size: int) -> None:
@@ -63,30 +63,30 @@ class ScratchPool:
             raise ValueError(f"scratch pool size must be >= 1, got {size}")
         self.num_docs, self.size = num_docs, size
         self.made = 0
-        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self._free: list[np.ndarray] = []
         self._cond = threading.Condition()
 
     @contextmanager
-    def lend(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def lend(self) -> Iterator[np.ndarray]:
         with self._cond:
             while not self._free and self.made >= self.size:
                 self._cond.wait()
-            pair = self._free.pop() if self._free else None
-            if pair is None:
+            acc = self._free.pop() if self._free else None
+            if acc is None:
                 self.made += 1
-        if pair is None:
+        if acc is None:
             try:
-                pair = (np.zeros(self.num_docs, dtype=np.float32), np.zeros(self.num_docs, dtype=np.int32))
+                acc = np.zeros(self.num_docs, dtype=np.float32)
             except BaseException:
                 with self._cond:
                     self.made -= 1
                     self._cond.notify()
                 raise
         try:
-            yield pair
+            yield acc
         finally:
             with self._cond:
-                self._free.append(pair)
+                self._free.append(acc)
                 self._cond.notify()
 
 
@@ -239,7 +239,7 @@ class BM25Scorer:
         return np.concatenate(cands), np.concatenate(vals)
 
     def _accumulate_select(
-        self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray, stamp: np.ndarray
+        self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray
     ) -> list[tuple[int, float]]:
         """Exhaustive top-k over every posting of the query terms (few postings: cheaper than pruning)."""
         try:
@@ -254,12 +254,10 @@ class BM25Scorer:
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
         if not term_ids:
             return []
-        with self.scratch.lend() as (acc, stamp):
-            return self._topk_maxscore_scratch(term_ids, k, acc, stamp)
+        with self.scratch.lend() as acc:
+            return self._topk_maxscore_scratch(term_ids, k, acc)
 
-    def _topk_maxscore_scratch(
-        self, term_ids: list[int], k: int, acc: np.ndarray, stamp: np.ndarray
-    ) -> list[tuple[int, float]]:
+    def _topk_maxscore_scratch(self, term_ids: list[int], k: int, acc: np.ndarray) -> list[tuple[int, float]]:
         if not term_ids:
             return []
         tally = Counter(term_ids)
@@ -280,7 +278,7 @@ class BM25Scorer:
                 return self._select(self.indices[start + keep], vals[keep], k)
             return self._select(self.indices[start:end], vals, k)
         if sum(end - start for start, end, _ in slices) <= self.exhaustive_postings:
-            return self._accumulate_select(slices, k, acc, stamp)
+            return self._accumulate_select(slices, k, acc)
         # theta: a lower bound on the k-th best score, from partial scores (each <= the full score) of
         # distinct real documents: a sample of the shortest list scored against the short lists,
         # and the k-th best single-term score of each short list.
@@ -322,7 +320,7 @@ class BM25Scorer:
                 keep = np.flatnonzero(partial >= theta - non_bound - 1e-5 * max(1.0, abs(theta)))
                 cand, partial = cand[keep], partial[keep]
         else:  # float rounding put every term below theta: score every document exhaustively
-            return self._accumulate_select(slices, k, acc, stamp)
+            return self._accumulate_select(slices, k, acc)
         non_slices = [(int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non) if ends[i] > starts[i]]
         if not non_slices:
             return self._select(cand, partial, k)

@@ -33,6 +33,12 @@ class PreviousScorer(BM25Scorer):
         stamp[docs] = order
         return docs[stamp[docs] == order]
 
+    def _topk_maxscore_one(self, term_ids, k):  # type: ignore[no-untyped-def]
+        if not term_ids:
+            return []
+        with self.scratch.lend() as acc:  # (the previous pool also lent this int32 stamp array)
+            return self._topk_maxscore_scratch(term_ids, k, acc, np.zeros(self.num_docs, dtype=np.int32))
+
     def _accumulate_select(self, slices, k, acc, stamp):  # type: ignore[no-untyped-def]
         touched = []
         try:
@@ -139,7 +145,7 @@ def test_top_k_ids_and_scores_are_bit_identical_to_the_previous_scorer(
     got = new.topk_ids(queries, k)
     assert got == expected  # same documents, order and float scores (Python floats of the float32 values)
     assert all(len(row) == k for row in got if row)
-    acc, _ = new.scratch._free[0]
+    acc = new.scratch._free[0]
     assert not acc.any()  # the scratch accumulator is returned all zeros
 
 
