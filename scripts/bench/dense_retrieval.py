@@ -13,6 +13,9 @@
    Target: batched >= 10x unbatched.
 
     nice -n 19 python scripts/bench/dense_retrieval.py --workdir /tmp/dbench --json-out dense.json
+    # serving only, on the saved flat index: unbatched / batched / unbatched with library-default
+    # threads, interleaved 3 times, with the server CPU split into encoder, faiss and the rest
+    nice -n 19 python scripts/bench/dense_retrieval.py --workdir /tmp/dbench --reuse --serve-only --json-out serve.json
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +113,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="reuse corpus, model and flat index already in --workdir")
     ap.add_argument("--sweep-only", action="store_true",
                     help="only recall@3 vs flat of the hnsw/ivfpq indexes saved in --workdir, over ef_search/nprobe")  # fmt: skip
+    ap.add_argument("--serve-only", action="store_true",
+                    help="with --reuse: only the serving comparison, the three servers interleaved --repeats times")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the interleaved serving comparison")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
@@ -151,14 +158,22 @@ def main() -> None:
         def serve(
             name: str, index_dir: Path, wait_ms: float, per_client: int, threads: int | None = a.dense_threads
         ) -> None:
-            with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
-                                     startup_timeout=600, dense={"intra_op_threads": threads}) as srv:  # fmt: skip
-                cpu0 = cpu_seconds(srv.pid)
-                r = asyncio.run(closed_loop(srv.url, queries, a.clients, per_client))
-                r["server_cpu_ms_per_request"] = 1000 * (cpu_seconds(srv.pid) - cpu0) / (2 * r["requests"])
+            r = serve_once(index_dir, queries, wait_ms, a.clients, per_client, threads)
             res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
             log(f"{name}: {r}")
 
+        if a.serve_only:  # the three servers interleaved (A, B, C, A, B, C, ...): fair on a shared machine
+            for _ in range(a.repeats):
+                serve("flat unbatched", flat_dir, 0.0, a.per_client)
+                serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
+                serve("flat unbatched, default threads (as before)", flat_dir, 0.0, a.per_client, threads=None)
+            res["summary"] = summarize(res["http"])
+            res["loadavg_end"] = os.getloadavg()
+            for row in res["summary"]:
+                log(str(row))
+            if a.json_out:
+                Path(a.json_out).write_text(json.dumps(res, indent=1))
+            return
         serve("flat unbatched", flat_dir, 0.0, a.per_client)
         serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
         serve("flat unbatched, default threads (as before)", flat_dir, 0.0, max(1, a.per_client // 4), threads=None)
@@ -207,6 +222,58 @@ def main() -> None:
     finally:
         if not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def serve_once(
+    index_dir: Path, queries: list[str], wait_ms: float, clients: int, per_client: int, threads: int | None
+) -> dict[str, Any]:
+    """One server process, ``clients`` closed-loop single-query clients: q/s, latency, where the server CPU went.
+
+    ``server_cpu_ms_per_request``: the server process's CPU time (all threads) per request over
+    the warm-up and measured rounds; ``encode_``/``search_cpu_ms_per_request``: the searching
+    thread's CPU time in the encoder and in faiss (from ``/health``; with more than one
+    torch/faiss thread the other threads' share is not in these two but is in the total);
+    ``other_cpu_ms_per_request``: the rest (HTTP, JSON, batching, thread hand-offs).
+    """
+    with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
+                             startup_timeout=600, dense={"intra_op_threads": threads}) as srv:  # fmt: skip
+        stats0 = _health_stats(srv.url)
+        cpu0 = cpu_seconds(srv.pid)
+        r = asyncio.run(closed_loop(srv.url, queries, clients, per_client))
+        cpu = cpu_seconds(srv.pid) - cpu0
+        stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
+    n = 2 * r["requests"]  # warm-up round + measured round
+    r["server_cpu_ms_per_request"] = 1000 * cpu / n
+    r["encode_cpu_ms_per_request"] = 1000 * stats["encode_cpu_s"] / n
+    r["search_cpu_ms_per_request"] = 1000 * stats["search_cpu_s"] / n
+    r["other_cpu_ms_per_request"] = (
+        r["server_cpu_ms_per_request"] - r["encode_cpu_ms_per_request"] - r["search_cpu_ms_per_request"]
+    )
+    r["mean_batch"] = stats["queries"] / max(1, stats["calls"])
+    r["threads"] = threads
+    return r
+
+
+def _health_stats(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return json.loads(resp.read())["stats"]
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server: median q/s and CPU figures over the repeats, and q/s ratios of batched to each unbatched server."""
+    out = []
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == name]
+        keys = ("qps", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "encode_cpu_ms_per_request",
+                "search_cpu_ms_per_request", "other_cpu_ms_per_request", "mean_batch")  # fmt: skip
+        out.append({"server": name, "runs": len(mine), **{k: float(np.median([r[k] for r in mine])) for k in keys}})
+    by = {r["server"]: r for r in out}
+    batched = by.get("flat batched")
+    for r in out:
+        if batched is not None and r is not batched:
+            r["batched_qps_ratio"] = batched["qps"] / r["qps"]
+            r["batched_cpu_ratio"] = r["server_cpu_ms_per_request"] / batched["server_cpu_ms_per_request"]
+    return out
 
 
 def sweep(work: Path, flat_dir: Path, queries: list[str]) -> list[dict[str, Any]]:

@@ -19,6 +19,9 @@ Run it at low priority on a shared machine:
 
     nice -n 19 python scripts/bench/retrieval_scale.py --workdir /tmp/rscale --json-out scale.json
     nice -n 19 python scripts/bench/retrieval_scale.py --sizes 10000000 --workdir /tmp/rscale ...
+    # in-process scorer CPU per query on indexes kept there (--keep), top-3 checked against a saved run
+    nice -n 19 python scripts/bench/retrieval_scale.py --sizes 1000000 --workdir /tmp/rscale --scoring-only \
+        --topk-compare before.json --json-out scoring.json
 """
 
 from __future__ import annotations
@@ -221,7 +224,9 @@ def bench_size(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dic
             f"peak RSS {res['build']['peak_rss_mb']:.0f} MiB, index {res['index_mb']:.0f} MiB")  # fmt: skip
     queries = make_queries(index, 8192, 0)
     t0 = time.perf_counter()
-    with serve_in_background(index, subprocess_mode=True, mmap=True, max_queries=4096, startup_timeout=600) as srv:
+    with serve_in_background(
+        index, subprocess_mode=True, mmap=True, max_queries=4096, startup_timeout=600, threads=a.threads
+    ) as srv:
         res["serve_start_s"] = time.perf_counter() - t0
         res["serve_rss_start_mb"] = proc_status(srv.pid)
         runs = [(1, 1, 600), (16, 1, 200), (256, 1, 24)]
@@ -249,6 +254,35 @@ def bench_size(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dic
     res["loadavg_end"] = os.getloadavg()
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """In-process BM25 scoring of ``--queries`` queries on the index already in --workdir: CPU ms per query.
+
+    The scorer runs the queries ``--reps`` times (the first run warms the page cache and the
+    k-th-score cache; every run is reported). ``--topk-out`` saves the top-k (document, score)
+    rows; ``--topk-compare`` checks them against a saved file: identical ids and float scores.
+    """
+    from sorl_verl.retrieval.index import load_searcher
+
+    index = Path(a.workdir) / f"n{n}" / "index"
+    queries = make_queries(index, a.queries, 0)
+    scorer = load_searcher(index, mmap=True).scorer
+    runs = []
+    for _ in range(a.reps):
+        c0, t0 = time.process_time(), time.perf_counter()
+        rows = scorer.topk_ids(queries, 3)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        runs.append({"cpu_ms_per_query": 1000 * cpu / len(queries), "wall_ms_per_query": 1000 * wall / len(queries)})
+        log(f"[{n:,}] scoring {len(queries)} queries: {runs[-1]}")
+    res: dict[str, Any] = {"num_docs": n, "queries": len(queries), "runs": runs, "loadavg": os.getloadavg()}
+    if a.topk_out:
+        Path(a.topk_out).write_text(json.dumps(rows))
+    if a.topk_compare:
+        expected = [[tuple(h) for h in row] for row in json.loads(Path(a.topk_compare).read_text())]
+        res["differing_queries"] = sum(x != y for x, y in zip(rows, expected, strict=True))
+        log(f"[{n:,}] top-3 differs from {a.topk_compare} on {res['differing_queries']} of {len(rows)} queries")
     return res
 
 
@@ -283,6 +317,13 @@ def main() -> None:
     ap.add_argument(
         "--compare-workers", type=int, default=40, help="also burst a server with this many workers (0: skip)"
     )
+    ap.add_argument("--threads", type=int, default=1, help="server --threads (BM25 scoring threads per batch)")
+    ap.add_argument("--scoring-only", action="store_true",
+                    help="only in-process scorer CPU per query on the index already in --workdir (see scoring_only)")  # fmt: skip
+    ap.add_argument("--queries", type=int, default=2048, help="--scoring-only: number of queries")
+    ap.add_argument("--reps", type=int, default=2, help="--scoring-only: runs over the queries")
+    ap.add_argument("--topk-out", help="--scoring-only: save the top-3 rows (JSON)")
+    ap.add_argument("--topk-compare", help="--scoring-only: compare the top-3 rows with a saved file")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse an index already built in --workdir")
     a = ap.parse_args()
@@ -292,12 +333,16 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
+    if a.scoring_only:
+        scoring = [scoring_only(int(x), a, log) for x in a.sizes.split(",")]
+        out.write_text(json.dumps({"meta": {"cpus": os.cpu_count(), "nice": os.nice(0)}, "scoring": scoring}, indent=1))
+        return
     for n in (int(x) for x in a.sizes.split(",")):
         res = bench_size(n, a, log)
         results = [r for r in results if r["num_docs"] != n] + [res]
         results.sort(key=lambda r: r["num_docs"])
         meta = {"cpus": os.cpu_count(), "nice": os.nice(0), "rss_limit_gb": a.rss_limit_gb, "targets": TARGETS,
-                "build_memory_mb": a.build_memory_mb, "vocab": a.vocab}  # fmt: skip
+                "build_memory_mb": a.build_memory_mb, "vocab": a.vocab, "threads": a.threads}  # fmt: skip
         out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(table(results))
 

@@ -36,7 +36,12 @@ class DynamicBatcher:
         self._wakeup: asyncio.Event | None = None
         self._consumer: asyncio.Task[None] | None = None
         self.batches = 0  # search calls made (for tests and metrics)
+        self.batched_queries = 0  # queries in those calls
         self.largest_batch = 0
+
+    def stats(self) -> dict[str, int]:
+        """Search calls made, queries in them and the largest one (mean batch = queries / batches)."""
+        return {"batches": self.batches, "batched_queries": self.batched_queries, "largest_batch": self.largest_batch}
 
     async def search(self, queries: list[str], topk: int) -> list[Any]:
         """Rows for ``queries`` exactly as ``search(queries, topk)`` would return them."""
@@ -88,6 +93,7 @@ class DynamicBatcher:
                         f.set_result([])
                     continue
                 self.batches += 1
+                self.batched_queries += len(flat)
                 self.largest_batch = max(self.largest_batch, len(flat))
                 try:
                     rows = await loop.run_in_executor(self.executor, self.search_fn, flat, topk)

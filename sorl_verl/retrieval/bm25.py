@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,12 +50,12 @@ def bm25_params(**overrides: Any) -> dict[str, Any]:
 
 
 class ScratchPool:
-    """At most ``size`` pairs of full-corpus scratch arrays, each lent to one query at a time.
+    """At most ``size`` full-corpus scratch accumulators, each lent to one query at a time.
 
-    A pair is ``(acc, stamp)``: float32 score accumulator (all zeros between queries) and int32
-    stamps for O(n) de-duplication, 8 bytes per passage together. Pairs are made on first
-    need and reused (last returned, first lent); a query that finds all ``size`` pairs in use
-    waits, so scratch memory is ``<= size * 8 * num_docs`` bytes whatever the concurrency.
+    An accumulator is a float32 array of ``num_docs`` scores, all zeros between queries (4 bytes
+    per passage). Accumulators are made on first need and reused (last returned, first lent); a
+    query that finds all ``size`` in use waits, so scratch memory is ``<= size * 4 * num_docs``
+    bytes whatever the concurrency.
     """
 
     def __init__(self, num_docs: int, size: int) -> None:
@@ -62,30 +63,30 @@ class ScratchPool:
             raise ValueError(f"scratch pool size must be >= 1, got {size}")
         self.num_docs, self.size = num_docs, size
         self.made = 0
-        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self._free: list[np.ndarray] = []
         self._cond = threading.Condition()
 
     @contextmanager
-    def lend(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def lend(self) -> Iterator[np.ndarray]:
         with self._cond:
             while not self._free and self.made >= self.size:
                 self._cond.wait()
-            pair = self._free.pop() if self._free else None
-            if pair is None:
+            acc = self._free.pop() if self._free else None
+            if acc is None:
                 self.made += 1
-        if pair is None:
+        if acc is None:
             try:
-                pair = (np.zeros(self.num_docs, dtype=np.float32), np.zeros(self.num_docs, dtype=np.int32))
+                acc = np.zeros(self.num_docs, dtype=np.float32)
             except BaseException:
                 with self._cond:
                     self.made -= 1
                     self._cond.notify()
                 raise
         try:
-            yield pair
+            yield acc
         finally:
             with self._cond:
-                self._free.append(pair)
+                self._free.append(acc)
                 self._cond.notify()
 
 
@@ -107,6 +108,7 @@ class BM25Scorer:
     theta_sample = 512
     short_list = 65536
     exhaustive_postings = 8192
+    max_kth_cache = 1 << 20
 
     def __init__(
         self,
@@ -121,8 +123,9 @@ class BM25Scorer:
             raise ValueError(f"unknown BM25 strategy {strategy!r}; use 'maxscore' or 'matmul'")
         index_dir = Path(index_dir)
         mode = "r" if mmap else None
-        self.data = np.load(index_dir / DATA_FILE, mmap_mode=mode)
-        self.indices = np.load(index_dir / INDICES_FILE, mmap_mode=mode)
+        # plain ndarray views of the (maybe memory-mapped) arrays: slicing a np.memmap costs more per call
+        self.data = np.asarray(np.load(index_dir / DATA_FILE, mmap_mode=mode))
+        self.indices = np.asarray(np.load(index_dir / INDICES_FILE, mmap_mode=mode))
         indptr = np.load(index_dir / INDPTR_FILE)
         if int(indptr[-1]) < np.iinfo(np.int32).max:
             indptr = indptr.astype(np.int32)  # same index dtype as `indices`: scipy then copies nothing
@@ -147,6 +150,7 @@ class BM25Scorer:
         self.n_threads = max(1, n_threads)
         self._pool = ThreadPoolExecutor(self.n_threads) if self.n_threads > 1 else None
         self.scratch = ScratchPool(self.num_docs, scratch_buffers or self.n_threads)
+        self._kth_cache: dict[tuple[int, int], float] = {}
 
     def query_matrix(self, queries: list[str]) -> sp.csr_matrix:
         """Sparse (queries x terms) matrix of query-term counts."""
@@ -187,42 +191,78 @@ class BM25Scorer:
             total[hit] += w * self.data[start + pos[hit]]
         return total
 
+    def _kth_largest(self, start: int, end: int, k: int) -> float:
+        """The ``k``-th largest stored score of the posting list at ``start:end`` (cached per ``(start, k)``)."""
+        key = (start, k)
+        value = self._kth_cache.get(key)
+        if value is None:
+            if len(self._kth_cache) >= self.max_kth_cache:
+                self._kth_cache.clear()
+            value = self._kth_cache[key] = float(np.partition(self.data[start:end], end - start - k)[end - start - k])
+        return value
+
+    def _accumulate(self, slices: list[tuple[int, int, float]], acc: np.ndarray) -> list[np.ndarray]:
+        """Add ``weight * score`` of every posting of ``slices`` into the zeroed ``acc``, in order; their documents.
+
+        Per document the result is the float32 left fold of the slices' contributions in the given
+        order (the first slice is assigned: ``0 + x == x``).
+        """
+        touched = []
+        for i, (start, end, w) in enumerate(slices):
+            docs = self.indices[start:end]
+            vals = self.data[start:end] if w == 1.0 else w * self.data[start:end]
+            if i == 0:
+                acc[docs] = vals
+            else:
+                acc[docs] += vals  # docs are unique within one posting list
+            touched.append(docs)
+        return touched
+
     @staticmethod
-    def _dedupe(docs: np.ndarray, stamp: np.ndarray) -> np.ndarray:
-        """Distinct values of ``docs`` in O(n) with a full-corpus stamp array (no sort)."""
-        order = np.arange(len(docs), dtype=np.int32)
-        stamp[docs] = order  # for repeated documents the last write wins
-        return docs[stamp[docs] == order]
+    def _harvest(touched: list[np.ndarray], acc: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct documents of ``touched`` with ``acc >= floor`` and their ``acc``; leaves ``acc`` all zeros.
+
+        Each list's values are read and then zeroed, so a document seen in an earlier list reads 0
+        in a later one: with positive scores (``floor`` is raised above 0) every document is
+        returned once without a de-duplication pass.
+        """
+        floor = max(floor, float(np.finfo(np.float32).tiny))
+        cands, vals = [], []
+        for docs in touched:
+            v = acc[docs]
+            acc[docs] = 0.0
+            keep = np.flatnonzero(v >= floor)
+            cands.append(docs[keep])
+            vals.append(v[keep])
+        if len(cands) == 1:
+            return cands[0], vals[0]
+        return np.concatenate(cands), np.concatenate(vals)
 
     def _accumulate_select(
-        self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray, stamp: np.ndarray
+        self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray
     ) -> list[tuple[int, float]]:
         """Exhaustive top-k over every posting of the query terms (few postings: cheaper than pruning)."""
-        touched = []
         try:
-            for start, end, w in slices:
-                docs = self.indices[start:end]
-                touched.append(docs)
-                acc[docs] += w * self.data[start:end]
-            cand = self._dedupe(np.concatenate(touched), stamp)
-            scores = acc[cand]
-        finally:
-            for docs in touched:  # the scratch array must be all zeros for the next query
-                acc[docs] = 0.0
+            touched = self._accumulate(slices, acc)
+        except BaseException:
+            for start, end, _ in slices:  # the scratch array must be all zeros for the next query
+                acc[self.indices[start:end]] = 0.0
+            raise
+        cand, scores = self._harvest(touched, acc, 0.0)
         return self._select(cand, scores, k)
 
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
         if not term_ids:
             return []
-        with self.scratch.lend() as (acc, stamp):
-            return self._topk_maxscore_scratch(term_ids, k, acc, stamp)
+        with self.scratch.lend() as acc:
+            return self._topk_maxscore_scratch(term_ids, k, acc)
 
-    def _topk_maxscore_scratch(
-        self, term_ids: list[int], k: int, acc: np.ndarray, stamp: np.ndarray
-    ) -> list[tuple[int, float]]:
+    def _topk_maxscore_scratch(self, term_ids: list[int], k: int, acc: np.ndarray) -> list[tuple[int, float]]:
         if not term_ids:
             return []
-        terms, counts = np.unique(np.asarray(term_ids, dtype=np.int64), return_counts=True)
+        tally = Counter(term_ids)
+        terms = np.array(sorted(tally), dtype=np.int64)
+        counts = np.array([tally[t] for t in terms.tolist()], dtype=np.int64)
         bounds = counts * self.max_score[terms]
         order = np.argsort(bounds, kind="stable")
         terms, counts, bounds = terms[order], counts[order].astype(np.float32), bounds[order]
@@ -232,9 +272,13 @@ class BM25Scorer:
             return []
         if len(slices) == 1:  # one term: its postings are the scores
             start, end, w = slices[0]
-            return self._select(np.asarray(self.indices[start:end]), w * self.data[start:end], k)
+            vals = self.data[start:end] if w == 1.0 else w * self.data[start:end]
+            if end - start > k:  # keep the k-th best (cached; float32 scaling keeps the order) and its ties
+                keep = np.flatnonzero(vals >= np.float32(w) * np.float32(self._kth_largest(start, end, k)))
+                return self._select(self.indices[start + keep], vals[keep], k)
+            return self._select(self.indices[start:end], vals, k)
         if sum(end - start for start, end, _ in slices) <= self.exhaustive_postings:
-            return self._accumulate_select(slices, k, acc, stamp)
+            return self._accumulate_select(slices, k, acc)
         # theta: a lower bound on the k-th best score, from partial scores (each <= the full score) of
         # distinct real documents: a sample of the shortest list scored against the short lists,
         # and the k-th best single-term score of each short list.
@@ -247,31 +291,81 @@ class BM25Scorer:
             theta = float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
         for start, end, w in short:
             if end - start >= k:
-                theta = max(theta, w * float(np.partition(self.data[start:end], end - start - k)[end - start - k]))
+                theta = max(theta, w * self._kth_largest(start, end, k))
         n_non = int(np.searchsorted(np.cumsum(bounds), theta, side="left"))  # prefix with sum(U) < theta
         non_bound = float(bounds[:n_non].sum())
         essential = [
             (int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non, len(terms)) if ends[i] > starts[i]
         ]
-        touched = []
-        try:
-            for start, end, w in essential:
-                docs = self.indices[start:end]
-                touched.append(docs)
-                acc[docs] += w * self.data[start:end]  # docs are unique within one posting list
-            longest = max(touched, key=len)
-            if len(longest) >= k:  # one list has unique documents: its k-th partial score bounds theta too
-                theta = max(theta, float(np.partition(acc[longest], len(longest) - k)[len(longest) - k]))
+        if len(essential) == 1:  # the partial scores are the one list's contributions: no accumulator
+            start, end, w = essential[0]
+            docs = np.asarray(self.indices[start:end])
+            partial = self.data[start:end] if w == 1.0 else w * self.data[start:end]
+            if len(docs) >= k:  # one list has unique documents: its k-th partial score bounds theta too
+                theta = max(theta, float(np.partition(partial, len(docs) - k)[len(docs) - k]))
             floor = theta - non_bound - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
-            kept = [docs[acc[docs] >= floor] for docs in touched]
-            cand = kept[0] if len(kept) == 1 else self._dedupe(np.concatenate(kept), stamp)
-            partial = acc[cand]
-        finally:
-            for docs in touched:  # the scratch array must be all zeros for the next query
-                acc[docs] = 0.0
+            keep = np.flatnonzero(partial >= floor)
+            cand, partial = docs[keep], partial[keep]
+        elif essential:
+            try:
+                touched = self._accumulate(essential, acc)
+            except BaseException:
+                for start, end, _ in essential:  # the scratch array must be all zeros for the next query
+                    acc[self.indices[start:end]] = 0.0
+                raise
+            floor = theta - non_bound - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
+            cand, partial = self._harvest(touched, acc, floor)
+            if len(cand) > k:  # the candidates hold every partial score >= floor: their k-th best bounds theta
+                theta = max(theta, float(np.partition(partial, len(cand) - k)[len(cand) - k]))
+                keep = np.flatnonzero(partial >= theta - non_bound - 1e-5 * max(1.0, abs(theta)))
+                cand, partial = cand[keep], partial[keep]
+        else:  # float rounding put every term below theta: score every document exhaustively
+            return self._accumulate_select(slices, k, acc)
         non_slices = [(int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non) if ends[i] > starts[i]]
-        full = partial + self._lookup(cand, non_slices) if non_slices else partial
-        return self._select(cand, full, k)
+        if not non_slices:
+            return self._select(cand, partial, k)
+        return self._select(*self._complete(cand, partial, non_slices, bounds[:n_non], theta, k), k)
+
+    def _complete(
+        self,
+        cand: np.ndarray,
+        partial: np.ndarray,
+        slices: list[tuple[int, int, float]],
+        bounds: np.ndarray,
+        theta: float,
+        k: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Full scores ``partial + fold(slices)`` of the candidates that can still reach the top ``k``.
+
+        ``theta`` is a lower bound on the k-th best score. The slices' contributions are looked
+        up from the largest bound down; after each, the k-th best score so far of the (distinct)
+        candidates raises ``theta`` (a score so far never exceeds the full score), and a
+        candidate whose score so far plus the remaining slices' bounds is below ``theta`` is
+        dropped. The survivors' contributions are then summed in the slices' own order and
+        added to ``partial``: the same float32 arithmetic as :meth:`_lookup` on every candidate.
+        """
+        contrib: list[np.ndarray | None] = [None] * len(slices)
+        remaining = float(bounds.sum())
+        upper = partial.astype(np.float64)
+        for i in range(len(slices) - 1, -1, -1):
+            start, end, w = slices[i]
+            docs = self.indices[start:end]
+            pos = np.minimum(np.searchsorted(docs, cand), len(docs) - 1)
+            c = np.where(docs[pos] == cand, w * self.data[start + pos], np.float32(0.0))
+            contrib[i] = c
+            remaining -= float(bounds[i])
+            upper += c
+            if i and len(cand) > k:
+                theta = max(theta, float(np.partition(upper, len(upper) - k)[len(upper) - k]))
+                floor = theta - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
+                keep = np.flatnonzero(upper + remaining >= floor)
+                if len(keep) < len(cand):
+                    cand, partial, upper = cand[keep], partial[keep], upper[keep]
+                    contrib = [None if x is None else x[keep] for x in contrib]
+        total = np.zeros(len(cand), dtype=np.float32)
+        for c in contrib:
+            total += c
+        return cand, partial + total
 
     def _topk_chunk(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
         if self.strategy == "matmul":

@@ -79,7 +79,7 @@ def load_searcher(
 
     ``n_threads``: BM25 splits a large batch over this many threads. ``mmap``: memory-map the
     BM25 postings instead of reading them into RAM. ``scratch_buffers``: BM25 full-corpus
-    scratch arrays (8 bytes per passage each), i.e. queries scored at the same time (default
+    scratch arrays (4 bytes per passage each), i.e. queries scored at the same time (default
     ``max(n_threads, cores)``). ``dense_overrides`` (e.g. ``device="cuda"``, ``model="/new/path"``,
     ``faiss_gpu=True``, ``nprobe=64``) replace dense parameters recorded at build time.
     """

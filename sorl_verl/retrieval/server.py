@@ -5,7 +5,8 @@ API
   ``{"query": "..."}``. Response ``{"result": [[hit, ...], ...]}`` with one list per query, best
   first; a hit is ``{"document": {"id", "contents"}, "score": s}`` when ``return_scores`` is true
   and the bare ``{"id", "contents"}`` document when it is false (Search-R1's default).
-- ``GET /health`` -> ``{"status": "ok", "method", "num_docs", ...}``.
+- ``GET /health`` -> ``{"status": "ok", "method", "num_docs", "limits", "serving", "stats"}``; ``stats``:
+  merged search calls (with batching) and, for dense, encoder and index CPU seconds.
 
 Every bad request gets a JSON ``{"error": message}`` with a 4xx status (limits configurable):
 body over ``max_body_bytes`` -> 413; anything that is not a JSON object of the right types
@@ -195,9 +196,13 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        stats: dict[str, Any] = batcher.stats() if batcher is not None else {}
+        scorer_stats = getattr(getattr(searcher, "scorer", None), "stats", None)
+        if scorer_stats is not None:
+            stats.update(scorer_stats())
         return {
             "status": "ok", "method": method, "num_docs": searcher.num_docs, "limits": asdict(limits),
-            "serving": serving,
+            "serving": serving, "stats": stats,
         }  # fmt: skip
 
     @app.post("/retrieve")

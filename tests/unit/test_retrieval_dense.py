@@ -194,3 +194,51 @@ def test_serve_time_options_are_checked(dense_index: tuple[list[str], Path, Path
         load_searcher(idx, nprobe=0)
     with pytest.raises(ValueError, match="intra_op_threads=0"):
         load_searcher(idx, intra_op_threads=0)
+
+
+def test_dense_threads_reach_the_search_thread_and_batches_equal_single_queries(
+    dense_index: tuple[list[str], Path, Path],
+) -> None:
+    """``intra_op_threads`` holds in the thread that searches; a batch (BLAS path) answers as one query at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    docs, _, idx = dense_index
+    searcher = load_searcher(idx, intra_op_threads=1)
+    queries = [f"{a} {p}" for a in ANIMALS for p in PLACES[:2]]  # 20 queries: >= the BLAS batch size
+    with ThreadPoolExecutor(1) as pool:  # as the server does: searches run on worker threads
+        batch, threads = pool.submit(lambda: (searcher.search_ids(queries, 3), faiss.omp_get_max_threads())).result()
+    assert threads == 1
+    singles = [searcher.search_ids([q], 3)[0] for q in queries]
+    dim = searcher.scorer.index.d
+    for b, s in zip(batch, singles, strict=True):  # unit vectors: a dot product's float32 error <= dim * eps
+        assert [d for d, _ in b] == [d for d, _ in s]
+        np.testing.assert_allclose([x for _, x in b], [x for _, x in s], rtol=0, atol=dim * np.finfo(np.float32).eps)
+    stats = searcher.scorer.stats()
+    assert stats["calls"] == 1 + len(queries) and stats["queries"] == 2 * len(queries)
+    assert stats["encode_cpu_s"] > 0 and stats["search_cpu_s"] > 0
+
+
+def test_health_reports_batches_and_encoder_and_index_time(dense_index: tuple[list[str], Path, Path]) -> None:
+    import asyncio
+
+    import aiohttp
+
+    _, _, idx = dense_index
+    queries = [f"{a} reef" for a in ANIMALS]
+
+    async def burst(url: str) -> dict:
+        async with aiohttp.ClientSession() as s:
+
+            async def one(q: str) -> None:
+                async with s.post(f"{url}/retrieve", json={"query": q, "topk": 2}) as r:
+                    assert r.status == 200
+
+            await asyncio.gather(*(one(q) for q in queries))
+            async with s.get(f"{url}/health") as r:
+                return (await r.json())["stats"]
+
+    with serve_in_background(load_searcher(idx), batch_wait_ms=50.0, max_batch=64) as srv:
+        stats = asyncio.run(burst(srv.url))
+    assert stats["batched_queries"] == stats["queries"] == len(queries)
+    assert 1 <= stats["batches"] == stats["calls"] < len(queries) and stats["largest_batch"] <= len(queries)
+    assert stats["encode_cpu_s"] > 0 and stats["search_cpu_s"] > 0

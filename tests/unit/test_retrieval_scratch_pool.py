@@ -39,20 +39,20 @@ def test_64_concurrent_queries_use_at_most_the_pool(index_dir: Path) -> None:
     assert got == expected
     pool_ = searcher.scorer.scratch
     assert pool_.made == 2 and pool_.size == 2
-    for acc, stamp in pool_._free:  # returned clean: the accumulator is all zeros again
-        assert acc.dtype == np.float32 and stamp.dtype == np.int32 and not acc.any()
+    for acc in pool_._free:  # returned clean: the accumulator is all zeros again
+        assert acc.dtype == np.float32 and acc.shape == (searcher.num_docs,) and not acc.any()
 
 
-def test_pool_blocks_then_lends_a_returned_pair() -> None:
+def test_pool_blocks_then_lends_a_returned_accumulator() -> None:
     pool = ScratchPool(num_docs=10, size=1)
     order: list[str] = []
     with pool.lend() as first:
-        t = threading.Thread(target=lambda: pool.lend().__enter__() and order.append("second"))
+        t = threading.Thread(target=lambda: (pool.lend().__enter__(), order.append("second")))
         t.start()
         t.join(0.2)
-        assert t.is_alive() and order == []  # waits while the only pair is lent
+        assert t.is_alive() and order == []  # waits while the only accumulator is lent
         order.append("first")
     t.join(5)
-    assert order == ["first", "second"] and pool.made == 1 and first[0].shape == (10,)
+    assert order == ["first", "second"] and pool.made == 1 and first.shape == (10,)
     with pytest.raises(ValueError, match=">= 1"):
         ScratchPool(10, 0)
