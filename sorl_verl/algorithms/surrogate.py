@@ -166,7 +166,7 @@ def surrogate(
         if differentiable:
             slope = torch.where(clipped, zero, neg_adv)
             ties = ((pg1 == pg2) & (ratio != clipped_ratio)) | ((clip1 == pg3) & negative)
-            if bool(ties.any()):
+            if int(torch.count_nonzero(ties)) > 0:  # count_nonzero: one vectorized pass (any() is not)
                 share = _tie_exact_share(pg1, pg2, clip1, pg3, ratio == clipped_ratio, negative)
                 slope = share * neg_adv
             backward = _SurrogateBackward(slope, ratio, runs, grad_mask, log_prob.dtype)
