@@ -9,9 +9,67 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("SORL_HOME", str(REPO_ROOT / ".sorl_cache"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray local-only (loopback) even in tests that start Ray before verl loads the plugin
 # (sorl_verl/cpu/loopback.py sets the same for every process that loads it)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+class Fp32Bounds:
+    """Float32 rounding-error bounds, for test tolerances derived from the computation.
+
+    A float32 result of ``n`` successive roundings (a length-``n`` reduction, a chain of ``n``
+    operations) is within ``gamma_n ~= n * u`` (``u = 2^-24``) of the exact value, relative to
+    the magnitude of the terms it combines (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., 3.1). Two evaluations whose reductions run in different orders (AVX2 vs
+    AVX-512 kernels, batched vs alone, cached vs full) are within twice that of each other.
+    """
+
+    u = FP32_UNIT_ROUNDOFF
+
+    @staticmethod
+    def rounding(magnitude: float, ops: int) -> float:
+        """``ops * u * magnitude``: one float32 evaluation against the exact value."""
+        return ops * FP32_UNIT_ROUNDOFF * magnitude
+
+    @classmethod
+    def between(cls, magnitude: float, ops: int) -> float:
+        """Two float32 evaluations (each ``ops`` roundings over ``magnitude``) against each other."""
+        return 2 * cls.rounding(magnitude, ops)
+
+    @staticmethod
+    def transformer_chain(config, seq_len: int) -> int:
+        """Roundings along the deepest path to one output of a transformer (Qwen2 or BERT config).
+
+        Per layer: two norms, q/k/v, o_proj and the MLP's up projection (hidden each), its down
+        projection (intermediate), attention scores (head_dim), softmax sum and weighted sum
+        (seq_len each); then a final norm and the output projection (hidden each).
+        """
+        head_dim = config.hidden_size // config.num_attention_heads
+        per_layer = 5 * config.hidden_size + config.intermediate_size + head_dim + 2 * seq_len
+        return config.num_hidden_layers * per_layer + 2 * config.hidden_size
+
+    @classmethod
+    def logprob(cls, config, seq_len: int, logit_scale: float, temperature: float = 1.0) -> float:
+        """Two float32 evaluations of the same token log-probs (``z_i/T - logsumexp(z/T)``).
+
+        Each logit is within ``chain * u * scale`` of exact (``scale`` = largest |logit|, at
+        least 1), two evaluations within twice that; a log-prob moves by at most twice the largest
+        logit difference, over T; the log-softmax's own sum over the vocabulary adds ``vocab * u``
+        per evaluation.
+        """
+        logit_error = cls.between(max(1.0, logit_scale), cls.transformer_chain(config, seq_len))
+        return 2 * logit_error / temperature + cls.between(1.0, config.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def fp32() -> type[Fp32Bounds]:
+    """Float32 rounding-error bounds (:class:`Fp32Bounds`) for derived tolerances."""
+    return Fp32Bounds

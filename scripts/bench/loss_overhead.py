@@ -1,9 +1,10 @@
 """Overhead of the SORL loss and estimator against verl's own, on realistic multi-turn shapes.
 
 Prints median forward+backward time of ``so_grpo`` vs verl ``vanilla`` and of the ``so_ppo``
-turn-level GAE estimator vs verl ``gae`` (targets: ratio <= 1.3 and <= 1.0).
+turn-level GAE estimator vs verl ``gae`` (targets: ratio <= 1.3 and <= 1.0), each call timed on
+the wall clock and on this process's CPU time, the two contenders alternating call by call.
 
-    python scripts/bench/loss_overhead.py [--rows 32] [--length 8192] [--reps 15]
+    python scripts/bench/loss_overhead.py [--rows 32] [--length 4096] [--turns 8 8] [--reps 41] [--threads N]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
 
 def multi_turn_mask(rows: int, length: int, min_turns: int, max_turns: int, seed: int = 0) -> torch.Tensor:
     """``[rows, length]`` response mask: each row alternates policy turns and observation gaps,
-    with 4-16 turns filling 60-100% of the row and padding after."""
+    with ``min_turns``-``max_turns`` turns filling 60-100% of the row and padding after."""
     gen = torch.Generator().manual_seed(seed)
     mask = torch.zeros(rows, length, dtype=torch.bool)
     for b in range(rows):  # set-up only; the code under test has no per-row loop
@@ -38,41 +39,49 @@ def multi_turn_mask(rows: int, length: int, min_turns: int, max_turns: int, seed
     return mask
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = time.perf_counter
+Timing = dict[str, float]  # clock name -> median seconds
 
 
-def paired_medians(a: Callable[[], object], b: Callable[[], object], reps: int, warmup: int = 2) -> tuple[float, float]:
-    """Median seconds of ``a`` and ``b``, run alternately so both see the same machine load."""
+def paired_medians(
+    a: Callable[[], object], b: Callable[[], object], reps: int, warmup: int = 2
+) -> tuple[Timing, Timing]:
+    """Median wall and process-CPU seconds of ``a`` and ``b``, run alternately so both see the same machine load."""
     for _ in range(warmup):
         a()
         b()
-    times_a, times_b = [], []
+    times: dict[int, dict[str, list[float]]] = {0: {"wall": [], "cpu": []}, 1: {"wall": [], "cpu": []}}
     for _ in range(reps):
-        for fn, times in ((a, times_a), (b, times_b)):
-            start = clock()
+        for key, fn in ((0, a), (1, b)):
+            wall, cpu = time.perf_counter(), time.process_time()
             fn()
-            times.append(clock() - start)
-    return statistics.median(times_a), statistics.median(times_b)
+            times[key]["cpu"].append(time.process_time() - cpu)
+            times[key]["wall"].append(time.perf_counter() - wall)
+    medians = [{clock: statistics.median(values) for clock, values in times[key].items()} for key in (0, 1)]
+    return medians[0], medians[1]
+
+
+def report(name_a: str, name_b: str, a: Timing, b: Timing, target: float) -> str:
+    """Two lines: the medians of both contenders, then ``ratio b/a = wall (wall) cpu (cpu)``."""
+    times = "   ".join(f"{clock} {name_a} {a[clock] * 1e3:8.2f} ms  {name_b} {b[clock] * 1e3:8.2f} ms" for clock in a)
+    ratios = "  ".join(f"{b[clock] / a[clock]:.3f} ({clock})" for clock in a)
+    return f"{name_b:7s} vs {name_a:7s} {times}\nratio {name_b}/{name_a} = {ratios}   (target <= {target})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--length", type=int, default=8192)
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--turns", type=int, nargs=2, default=(8, 8), metavar=("MIN", "MAX"), help="turns per row")
+    parser.add_argument("--reps", type=int, default=41)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    parser.add_argument(
-        "--clock", choices=sorted(CLOCKS), default="wall", help="cpu: process CPU time, steadier on a busy machine"
-    )
     args = parser.parse_args()
-    global clock
-    clock = CLOCKS[args.clock]
+    if not 1 <= args.turns[0] <= args.turns[1] or 2 * args.turns[1] > args.length:
+        parser.error(f"--turns {args.turns[0]} {args.turns[1]}: need 1 <= MIN <= MAX <= length / 2")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    mask = multi_turn_mask(args.rows, args.length, 4, 16)
+    mask = multi_turn_mask(args.rows, args.length, *args.turns)
     old_log_prob = -torch.rand(args.rows, args.length) * 3
     log_prob_data = old_log_prob + 0.3 * torch.randn(args.rows, args.length)
     advantages = torch.randn(args.rows, 1).expand(-1, args.length).contiguous() * mask
@@ -105,14 +114,10 @@ def main() -> None:
         warmup=1,
     )
 
-    print(
-        f"shape {args.rows}x{args.length}, 4-16 turns per row, torch threads {torch.get_num_threads()}, "
-        f"{args.clock} clock"
-    )
-    print(f"loss fwd+bwd  vanilla {t_vanilla * 1e3:8.2f} ms   so_grpo {t_sorl * 1e3:8.2f} ms")
-    print(f"estimator     gae     {t_gae * 1e3:8.2f} ms   so_ppo  {t_turn_gae * 1e3:8.2f} ms")
-    print(f"ratio so_grpo/vanilla = {t_sorl / t_vanilla:.3f}   (target <= 1.3)")
-    print(f"ratio so_ppo/gae      = {t_turn_gae / t_gae:.3f}   (target <= 1.0)")
+    turns = f"{args.turns[0]}" if args.turns[0] == args.turns[1] else f"{args.turns[0]}-{args.turns[1]}"
+    print(f"shape {args.rows}x{args.length}, {turns} turns per row, torch threads {torch.get_num_threads()}")
+    print("loss fwd+bwd: " + report("vanilla", "so_grpo", t_vanilla, t_sorl, 1.3))
+    print("estimator:    " + report("gae", "so_ppo", t_gae, t_turn_gae, 1.0))
 
 
 if __name__ == "__main__":

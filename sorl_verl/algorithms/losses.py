@@ -29,7 +29,8 @@ from verl.trainer.ppo.core_algos import agg_loss
 from sorl_verl.algorithms.config import SORLKnobs, read_knobs
 from sorl_verl.algorithms.optim import LEDGER
 from sorl_verl.algorithms.parallel import data_parallel_group
-from sorl_verl.algorithms.turns import Turns, broadcast_turns, segment_turns, turn_mean
+from sorl_verl.algorithms.surrogate import ClipRange, surrogate
+from sorl_verl.algorithms.turns import segment_runs
 
 
 def _clip_params(config: Any) -> tuple[float, float, float]:
@@ -96,12 +97,6 @@ def _ratio_metrics(log_ratio: torch.Tensor, valid: torch.Tensor, low: float, hig
     }
 
 
-def _num_turns_mean(turns: Turns) -> torch.Tensor:
-    """Mean number of turns over rows with at least one policy token (0 if none)."""
-    rows_with_turns = (turns.num_turns > 0).sum().clamp_min(1)
-    return turns.num_turns.sum().double() / rows_with_turns
-
-
 def sorl_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -123,44 +118,24 @@ def sorl_policy_loss(
     low, high, clip_ratio_c = _clip_params(config)
     knobs = read_knobs(config)
     mask = response_mask.bool()
-    dtype = torch.promote_types(log_prob.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=log_prob.device)
-
-    # m = 0 positions are replaced (not multiplied) by 0, so NaN/inf there cannot leak; with
-    # A = 0 and d = 0 there, every per-token term below is exactly 0 on m = 0 positions.
-    log_ratio = torch.where(mask, log_prob.to(dtype) - old_log_prob.to(dtype), zero)
-    log_ratio = torch.clamp(log_ratio, min=-knobs.log_ratio_clamp, max=knobs.log_ratio_clamp)
-    adv = torch.where(mask, advantages.to(dtype), zero)
-    turns = segment_turns(mask)
-    if turn_level:
-        turn_log_ratio = turn_mean(log_ratio, turns, zero_outside=True)
-        ratio = torch.exp(broadcast_turns(turn_log_ratio, turns))
-    else:
-        ratio = torch.exp(log_ratio)
-
-    negative_adv = adv < 0
-    pg_losses1 = -adv * ratio
-    pg_losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_losses3 = -adv * clip_ratio_c
-    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_losses = torch.where(negative_adv, clip_pg_losses2, clip_pg_losses1)
+    runs = segment_runs(mask)
+    clip = ClipRange(low=low, high=high, dual=clip_ratio_c, log_ratio_bound=knobs.log_ratio_clamp)
+    terms = surrogate(old_log_prob, log_prob, advantages, mask, runs if turn_level else None, clip)
+    pg_losses = terms.pg_losses
+    zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     if rollout_is_weights is not None:
-        pg_losses = pg_losses * torch.where(mask, rollout_is_weights.to(dtype), zero)
+        pg_losses = pg_losses * torch.where(mask, rollout_is_weights.to(pg_losses.dtype), zero)
 
     with torch.no_grad():
-        upper = torch.gt(pg_losses2, pg_losses1)  # clip(r) active: dL/dr = 0 (False where m = 0: A = 0)
-        lower = torch.gt(clip_pg_losses1, pg_losses3) & negative_adv  # dual clip active
-        update = ratio * adv
-        clip_bias = torch.where(upper | lower, update, zero)
-        num_tokens = turns.count.sum()
-        norm, rel = clip_bias_stats(clip_bias.square().sum(), num_tokens, update.square().sum(), knobs.clip_norm_scope)
+        num_tokens = torch.where(runs.is_turn, runs.lengths, 0).sum()
+        sum_sq_bias = torch.where(terms.clipped, terms.update_sq, zero).sum()  # c^2, c = x * r * A
+        norm, rel = clip_bias_stats(sum_sq_bias, num_tokens, terms.update_sq.sum(), knobs.clip_norm_scope)
         active = normalize and knobs.clip_norm_mode != "none"
         reference = rel if knobs.clip_norm_reference == "relative" else norm
         z = normalizer(reference, knobs) if active else torch.ones((), dtype=torch.float64, device=norm.device)
         at_update = knobs.clip_norm_apply == "update"
 
-    if turns.max_turns > 0:
+    if bool(runs.is_turn.any()):
         pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
         if not at_update:
             pg_loss = pg_loss / z.to(pg_loss.dtype)
@@ -171,10 +146,10 @@ def sorl_policy_loss(
 
     with torch.no_grad():
         if turn_level:
-            stats = _ratio_metrics(turn_log_ratio[:, 1:], turns.valid[:, 1:], low, high, "turn")
+            stats = _ratio_metrics(terms.turn_log_ratio, runs.is_turn, low, high, "turn")
         else:
-            stats = _ratio_metrics(log_ratio, mask, low, high, "token")
-        stats["sorl/num_turns_mean"] = _num_turns_mean(turns)
+            stats = _ratio_metrics(terms.log_ratio, mask, low, high, "token")
+        stats["sorl/num_turns_mean"] = runs.num_turns.double() / runs.rows_with_turns.clamp_min(1)
         token_denominator = num_tokens + 1e-8  # verl's masked_mean
         inv_z = 1.0 / z
         stats["sorl/clip_bias_norm"] = norm
@@ -183,9 +158,9 @@ def sorl_policy_loss(
         stats["sorl/triggered"] = (z > 1.0).double()
         stats["sorl/update_scale"] = inv_z if at_update else torch.ones_like(z)
         stats["sorl/loss_scale"] = torch.ones_like(z) if at_update else inv_z
-        stats["actor/pg_clipfrac"] = upper.sum().to(torch.float32) / token_denominator
-        stats["actor/ppo_kl"] = -log_ratio.sum() / token_denominator
-        stats["actor/pg_clipfrac_lower"] = lower.sum().to(torch.float32) / token_denominator
+        stats["actor/pg_clipfrac"] = terms.upper.sum().to(torch.float32) / token_denominator
+        stats["actor/ppo_kl"] = -terms.log_ratio.sum() / token_denominator
+        stats["actor/pg_clipfrac_lower"] = terms.lower.sum().to(torch.float32) / token_denominator
         values = torch.stack([v.double().reshape(()).to(norm.device) for v in stats.values()]).tolist()
     return pg_loss, dict(zip(stats, values, strict=True))
 

@@ -7,6 +7,12 @@ A *turn* is a maximal run of consecutive positions with ``m = 1`` in a row. With
 Per-turn reductions use a ``[B, K + 1]`` table indexed by turn id; column 0 collects the
 ``m = 0`` positions, whose values are replaced by zeros first, so it always holds 0. No Python loop
 over rows or turns is used anywhere.
+
+The policy losses use a run-length form instead (:class:`Runs`): the row-major flattened mask cut
+into maximal runs of equal value that never cross a row, so every turn and every gap is one
+contiguous run. A per-turn sum is then one ``segment_reduce`` and a broadcast one
+``repeat_interleave``; both add in token order from 0, as ``scatter_add`` does, so the sums are
+the same bits as the table's (and deterministic on GPU).
 """
 
 from __future__ import annotations
@@ -95,3 +101,59 @@ def owning_turn(turns: Turns) -> torch.Tensor:
     latest = torch.cummax(turns.turn_id, dim=-1).values
     has_turns = (turns.num_turns > 0).unsqueeze(-1)
     return torch.where(has_turns, latest.clamp_min(1), torch.zeros_like(latest))
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Run-length form of a ``[B, T]`` response mask (module docstring).
+
+    ``lengths``: long ``[S]``, the runs in row-major order (each row starts a new run, so a run
+    never crosses a row); ``is_turn``: bool ``[S]``, True for runs of policy tokens (turns);
+    ``shape``: ``(B, T)``.
+    """
+
+    lengths: torch.Tensor
+    is_turn: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def num_turns(self) -> torch.Tensor:
+        """long scalar: turns in the micro-batch."""
+        return self.is_turn.sum()
+
+    @property
+    def rows_with_turns(self) -> torch.Tensor:
+        """long scalar: rows with at least one policy token (a row without one is a single gap run)."""
+        empty_rows = (~self.is_turn & (self.lengths == self.shape[1])).sum()
+        return self.shape[0] - empty_rows
+
+
+def segment_runs(response_mask: torch.Tensor) -> Runs:
+    """Cut every row of ``response_mask`` (bool/int/float ``[B, T]``) into runs of equal value."""
+    mask = response_mask.bool()
+    rows, length = mask.shape
+    flat = mask.reshape(-1)
+    if flat.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=mask.device)
+        return Runs(lengths=empty, is_turn=empty.bool(), shape=(rows, length))
+    boundary = torch.empty_like(flat)
+    torch.bitwise_xor(flat[1:], flat[:-1], out=boundary[1:])
+    boundary.view(rows, length)[:, 0] = True
+    starts = torch.nonzero(boundary).squeeze(-1)
+    lengths = torch.diff(starts, append=starts.new_full((1,), flat.numel()))
+    return Runs(lengths=lengths, is_turn=flat[starts], shape=(rows, length))
+
+
+def run_sum(values: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """``[S]`` sum of ``values`` (``[B, T]``, float) over each run, added in token order from 0.
+
+    Not differentiable; the SORL surrogate (:mod:`sorl_verl.algorithms.surrogate`) writes its gradient.
+    """
+    if runs.lengths.numel() == 0:
+        return values.new_zeros(0)
+    return torch.segment_reduce(values.reshape(-1), "sum", lengths=runs.lengths, unsafe=True)
+
+
+def run_broadcast(per_run: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """``[B, T]`` tensor holding, at each position, the value of its run."""
+    return torch.repeat_interleave(per_run, runs.lengths, output_size=runs.shape[0] * runs.shape[1]).view(runs.shape)

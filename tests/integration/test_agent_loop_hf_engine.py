@@ -46,7 +46,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     return model, tok
 
 
-async def test_real_engine_logprobs_realign_with_recomputation(tiny: Any) -> None:
+async def test_real_engine_logprobs_realign_with_recomputation(tiny: Any, fp32: Any) -> None:
     model, tok = tiny
     # a few frequent ids end a turn (as EOS would), so the episode has several turns + observations
     eos = {tok.eos_token_id, *tok.encode(" the", add_special_tokens=False), *tok.encode(" a", add_special_tokens=False)}
@@ -84,7 +84,9 @@ async def test_real_engine_logprobs_realign_with_recomputation(tiny: Any) -> Non
     recomputed = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(out.response_ids)[:, None])[:, 0]
     mask = torch.tensor(out.response_mask, dtype=torch.bool)
     got = torch.tensor(out.response_logprobs)
-    torch.testing.assert_close(got[mask], recomputed[mask], atol=2e-4, rtol=0)
+    # the loop's cached multi-turn decode vs one full forward: two float32 evaluations of the same log-probs
+    atol = fp32.logprob(model.config, ids.shape[1], float(logits.abs().max()))
+    torch.testing.assert_close(got[mask], recomputed[mask], atol=atol, rtol=0)
     assert torch.all(got[~mask] == 0)
     # every observation is a whole information block
     text = tok.decode(out.response_ids)

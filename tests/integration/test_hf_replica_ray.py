@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoConfig
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
@@ -50,14 +51,16 @@ class TrainerRank:
         return len(self.model.state_dict())
 
     @torch.no_grad()
-    def greedy_reference(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-        """Greedy decoding by full forward passes (no cache, no batching)."""
-        ids, lps = list(prompt), []
+    def greedy_reference(self, prompt: list[int], n: int) -> tuple[list[int], list[float], float]:
+        """Greedy decoding by full forward passes (no cache, no batching); also the largest |logit| seen."""
+        ids, lps, scale = list(prompt), [], 0.0
         for _ in range(n):
-            logp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits, -1)
             ids.append(int(logp.argmax()))
             lps.append(float(logp.max()))
-        return ids[len(prompt) :], lps
+            scale = max(scale, float(logits.abs().max()))
+        return ids[len(prompt) :], lps, scale
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,9 @@ def configs(tmp_path_factory):
 
 
 @pytest.mark.slow  # ~35 s on 2 cores: Ray start + two actors importing verl and transformers
-def test_replica_serves_verl_client_and_takes_weight_updates(ray_cluster, configs):
+def test_replica_serves_verl_client_and_takes_weight_updates(ray_cluster, configs, fp32):
     model_dir, rollout_config, model_config = configs
+    tiny_config = AutoConfig.from_pretrained(model_dir)
     trainer = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, rollout_config, model_config)
     replica = HFReplica(replica_rank=0, config=rollout_config, model_config=model_config, gpus_per_node=1)
     asyncio.run(replica.init_hybrid(SimpleNamespace(workers=[trainer])))
@@ -110,9 +114,11 @@ def test_replica_serves_verl_client_and_takes_weight_updates(ray_cluster, config
 
     before = asyncio.run(generate_all())
     for prompt, out in zip(PROMPTS, before, strict=True):
-        tokens, lps = ray.get(trainer.greedy_reference.remote(prompt, MAX_TOKENS))
+        tokens, lps, scale = ray.get(trainer.greedy_reference.remote(prompt, MAX_TOKENS))
         assert out.token_ids == tokens and out.stop_reason == "completed"
-        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(lps), atol=1e-4, rtol=0)
+        # batched KV-cached decode vs full forward: two float32 evaluations of the same log-probs
+        atol = fp32.logprob(tiny_config, len(prompt) + MAX_TOKENS, scale)
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(lps), atol=atol, rtol=0)
         assert out.extra_fields["global_steps"] is None
     stats = ray.get(replica.server_handle.get_stats.remote())
     assert sum(stats["batch_sizes"]) == len(PROMPTS) and max(stats["batch_sizes"]) >= 2
@@ -122,9 +128,10 @@ def test_replica_serves_verl_client_and_takes_weight_updates(ray_cluster, config
     after = asyncio.run(generate_all())
     assert [a.token_ids for a in after] != [b.token_ids for b in before]
     for prompt, out in zip(PROMPTS, after, strict=True):
-        tokens, lps = ray.get(trainer.greedy_reference.remote(prompt, MAX_TOKENS))
+        tokens, lps, scale = ray.get(trainer.greedy_reference.remote(prompt, MAX_TOKENS))
         assert out.token_ids == tokens and out.extra_fields["global_steps"] == 3
-        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(lps), atol=1e-4, rtol=0)
+        atol = fp32.logprob(tiny_config, len(prompt) + MAX_TOKENS, scale)  # as above, the trained weights' logits
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(lps), atol=atol, rtol=0)
 
     # sampled requests without logprobs, default budget from prompt/response lengths
     out = asyncio.run(

@@ -51,51 +51,32 @@ def full_logits(model, prompt, generated):
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]  # logits that produced each token
 
 
-FP32_UNIT_ROUNDOFF = 2.0**-24
+def logprob_tolerance(fp32, model, prompt, generated, temperature=1.0):
+    """The engine's token log-probs against a second float32 evaluation whose reductions run in
+    another order (KV-cached decode vs full forward, padded batch vs alone, AVX2 vs AVX-512):
+    ``fp32.logprob`` (tests/conftest.py) with the logits' magnitude of this sequence as the scale."""
+    scale = float(full_logits(model, prompt, generated).abs().max())
+    return fp32.logprob(model.config, len(prompt) + len(generated), scale, temperature)
 
 
-def logprob_tolerance(model, prompt, generated, temperature=1.0):
-    """Bound on the difference between two float32 evaluations of the same token log-probs whose
-    reductions run in different orders (KV-cached decode vs full forward, padded batch vs alone,
-    AVX2 vs AVX-512 kernels); the engine's output is compared with such a second evaluation.
-
-    A length-n float32 reduction is within gamma_n ~= n*u (u = 2^-24) of the exact value, relative to
-    the magnitude it sums (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). Along the
-    deepest path to a logit the reductions are, per layer: RMSNorm, q/k/v, o_proj, RMSNorm, gate/up
-    (hidden each), down_proj (intermediate), scores (head_dim), softmax sum and weighted sum (seq_len
-    each); then the final RMSNorm and lm_head (hidden each). With the logits' magnitude as the scale,
-    one evaluation is within chain*u*scale of the exact logit, two within twice that. A log-prob
-    ``z_i/T - logsumexp(z/T)`` moves by at most twice the largest logit error, divided by T; the
-    log-softmax's own sum over the vocabulary adds vocab*u per evaluation.
-    """
-    cfg = model.config
-    seq_len = len(prompt) + len(generated)
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    per_layer = 5 * cfg.hidden_size + cfg.intermediate_size + head_dim + 2 * seq_len
-    chain = cfg.num_hidden_layers * per_layer + 2 * cfg.hidden_size
-    scale = max(1.0, float(full_logits(model, prompt, generated).abs().max()))
-    logit_error = 2 * chain * FP32_UNIT_ROUNDOFF * scale
-    return 2 * logit_error / temperature + 2 * cfg.vocab_size * FP32_UNIT_ROUNDOFF
-
-
-def test_greedy_tokens_and_logprobs_equal_a_direct_forward_pass(model):
+def test_greedy_tokens_and_logprobs_equal_a_direct_forward_pass(model, fp32):
     prompt = PROMPTS[1]
     out = run(make_engine(model).generate(prompt, greedy(16)))
     assert len(out.token_ids) == 16 and out.finish_reason == "length"
     logits = full_logits(model, prompt, out.token_ids)
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-    atol = logprob_tolerance(model, prompt, out.token_ids)
+    atol = logprob_tolerance(fp32, model, prompt, out.token_ids)
     torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
-def test_sampled_logprobs_follow_temperature_top_k_top_p(model, mode):
+def test_sampled_logprobs_follow_temperature_top_k_top_p(model, mode, fp32):
     prompt, temperature, top_k, top_p = PROMPTS[0], 0.7, 20, 0.9
     options = SamplingOptions(max_tokens=24, temperature=temperature, top_k=top_k, top_p=top_p, seed=3, ignore_eos=True)
     out = run(make_engine(model, logprobs_mode=mode).generate(prompt, options))
     logits = full_logits(model, prompt, out.token_ids)
-    atol = logprob_tolerance(model, prompt, out.token_ids, temperature if mode == "processed_logprobs" else 1.0)
+    atol = logprob_tolerance(fp32, model, prompt, out.token_ids, temperature if mode == "processed_logprobs" else 1.0)
     for t, (token, lp) in enumerate(zip(out.token_ids, out.log_probs, strict=True)):
         scaled = logits[t] / temperature
         order = scaled.argsort(descending=True)[:top_k]
@@ -163,7 +144,7 @@ def test_max_tokens_is_bounded_by_the_context(model):
         run(engine.generate(list(range(5, 45)), greedy(10)))
 
 
-def test_eight_concurrent_requests_batch_together_and_match_one_at_a_time(model):
+def test_eight_concurrent_requests_batch_together_and_match_one_at_a_time(model, fp32):
     single = make_engine(model)
     alone = [run(single.generate(p, greedy(12))) for p in PROMPTS]
     sampled_alone = [
@@ -179,7 +160,7 @@ def test_eight_concurrent_requests_batch_together_and_match_one_at_a_time(model)
     assert batched_engine.batch_sizes == [8]
     for prompt, a, b in zip(PROMPTS, alone, batched, strict=True):
         assert a.token_ids == b.token_ids
-        atol = logprob_tolerance(model, prompt, a.token_ids)
+        atol = logprob_tolerance(fp32, model, prompt, a.token_ids)
         torch.testing.assert_close(torch.tensor(b.log_probs), torch.tensor(a.log_probs), atol=atol, rtol=0)
     # seeded sampling draws from each request's own generator: batching does not change it
     sampled = run(together(lambda i: SamplingOptions(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True)))
@@ -187,7 +168,7 @@ def test_eight_concurrent_requests_batch_together_and_match_one_at_a_time(model)
 
 
 @pytest.mark.parametrize("short_prompt, long_prompt", [(PROMPTS[0], PROMPTS[1]), (PROMPTS[1], PROMPTS[0])])
-def test_rows_of_different_lengths_finish_independently(model, short_prompt, long_prompt):
+def test_rows_of_different_lengths_finish_independently(model, short_prompt, long_prompt, fp32):
     # when the longer prompt leaves first, the padding columns left by it are trimmed from the cache
     engine = make_engine(model)
 
@@ -198,11 +179,11 @@ def test_rows_of_different_lengths_finish_independently(model, short_prompt, lon
     assert (len(short.token_ids), len(long.token_ids)) == (3, 15)
     alone = run(make_engine(model).generate(long_prompt, greedy(15)))
     assert long.token_ids == alone.token_ids
-    atol = logprob_tolerance(model, long_prompt, alone.token_ids)
+    atol = logprob_tolerance(fp32, model, long_prompt, alone.token_ids)
     torch.testing.assert_close(torch.tensor(long.log_probs), torch.tensor(alone.log_probs), atol=atol, rtol=0)
 
 
-def test_a_request_joins_rows_already_decoding_and_leaves_before_them(model):
+def test_a_request_joins_rows_already_decoding_and_leaves_before_them(model, fp32):
     long_alone = run(make_engine(model).generate(PROMPTS[1], greedy(150)))
     short_alone = run(make_engine(model).generate(PROMPTS[4], greedy(8)))
     engine = make_engine(model)
@@ -224,7 +205,7 @@ def test_a_request_joins_rows_already_decoding_and_leaves_before_them(model):
     assert engine.batch_sizes == [1, 1] and engine.peak_rows == 2 and done_order == ["short", "long"]
     assert long.token_ids == long_alone.token_ids and short.token_ids == short_alone.token_ids
     for got, alone, prompt in ((long, long_alone, PROMPTS[1]), (short, short_alone, PROMPTS[4])):
-        atol = logprob_tolerance(model, prompt, alone.token_ids)
+        atol = logprob_tolerance(fp32, model, prompt, alone.token_ids)
         torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(alone.log_probs), atol=atol, rtol=0)
 
 
@@ -239,7 +220,7 @@ def test_seed_makes_sampling_reproducible(model):
     assert run(e1.generate(PROMPTS[0], unseeded)).token_ids == run(e2.generate(PROMPTS[0], unseeded)).token_ids
 
 
-def test_weight_update_changes_outputs_to_the_new_models(model_dir):
+def test_weight_update_changes_outputs_to_the_new_models(model_dir, fp32):
     engine_model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     engine = make_engine(engine_model)
     before = run(engine.generate(PROMPTS[1], greedy(12)))
@@ -253,7 +234,7 @@ def test_weight_update_changes_outputs_to_the_new_models(model_dir):
     assert after.token_ids != before.token_ids
     reference = run(make_engine(trained).generate(PROMPTS[1], greedy(12)))
     assert after.token_ids == reference.token_ids
-    atol = logprob_tolerance(trained, PROMPTS[1], reference.token_ids)
+    atol = logprob_tolerance(fp32, trained, PROMPTS[1], reference.token_ids)
     torch.testing.assert_close(torch.tensor(after.log_probs), torch.tensor(reference.log_probs), atol=atol, rtol=0)
     with pytest.raises(KeyError, match="not_a_weight"):
         engine.load_weights([("not_a_weight", torch.zeros(1))])

@@ -45,7 +45,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, P
     return docs, path, build_index(path, d / "index", show_progress=False)
 
 
-def test_scores_equal_bm25s_lucene(corpus: tuple[list[str], Path, Path]) -> None:
+# float32 roundings in one term's stored score (idf, length norm, tf saturation), in either implementation
+TERM_SCORE_ROUNDINGS = 8
+
+
+def test_scores_equal_bm25s_lucene(corpus: tuple[list[str], Path, Path], fp32) -> None:
     docs, _, index_dir = corpus
     stem = Stemmer.Stemmer("english")
     ref = bm25s.BM25(method="lucene", k1=1.5, b=0.75)
@@ -55,17 +59,18 @@ def test_scores_equal_bm25s_lucene(corpus: tuple[list[str], Path, Path]) -> None
     searcher = load_searcher(index_dir)
     ours = searcher.search_ids(queries, 10)
     for q, hits in zip(queries, ours, strict=True):
-        full = ref.get_scores(
-            bm25s.tokenize([q], stopwords="en", stemmer=stem, show_progress=False, return_ids=False)[0]
-        )
+        terms = bm25s.tokenize([q], stopwords="en", stemmer=stem, show_progress=False, return_ids=False)[0]
+        full = ref.get_scores(terms)
+        # two float32 evaluations of a sum of len(terms) positive term scores, each computed independently
+        rel = fp32.between(1.0, TERM_SCORE_ROUNDINGS + len(terms))
         assert len(hits) == min(10, int((full > 0).sum()))
         for pos, score in hits:
-            assert score == pytest.approx(float(full[pos]), rel=1e-5)
+            assert score == pytest.approx(float(full[pos]), rel=rel)
         kth = hits[-1][1]
-        assert (full > kth + 1e-4).sum() < len(hits)  # nothing better was left out
+        assert (full > kth * (1 + rel)).sum() < len(hits)  # nothing better was left out
 
 
-def test_index_dir_is_a_bm25s_index(corpus: tuple[list[str], Path, Path]) -> None:
+def test_index_dir_is_a_bm25s_index(corpus: tuple[list[str], Path, Path], fp32) -> None:
     _, _, index_dir = corpus
     ref = bm25s.BM25.load(index_dir)
     tokens = bm25s.tokenize(
@@ -77,7 +82,8 @@ def test_index_dir_is_a_bm25s_index(corpus: tuple[list[str], Path, Path]) -> Non
     docs, scores = ref.retrieve(q, k=5, show_progress=False)
     ours = load_searcher(index_dir).search_ids(["capital river painter"], 5)[0]
     assert [p for p, _ in ours] == docs[0].tolist()
-    np.testing.assert_allclose([s for _, s in ours], scores[0], rtol=1e-6)
+    rel = fp32.between(1.0, len(q[0]))  # the same stored float32 term scores, summed in two orders
+    np.testing.assert_allclose([s for _, s in ours], scores[0], rtol=rel)
 
 
 def test_search_results_shape_order_and_topk(corpus: tuple[list[str], Path, Path]) -> None:
@@ -191,7 +197,7 @@ def test_format_documents_search_r1_style() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3, 10])
-def test_maxscore_pruning_equals_exhaustive_scoring(corpus: tuple[list[str], Path, Path], k: int) -> None:
+def test_maxscore_pruning_equals_exhaustive_scoring(corpus: tuple[list[str], Path, Path], k: int, fp32) -> None:
     from sorl_verl.retrieval.bm25 import BM25Scorer
 
     _, _, index_dir = corpus
@@ -208,7 +214,8 @@ def test_maxscore_pruning_equals_exhaustive_scoring(corpus: tuple[list[str], Pat
         got = pruned.topk_ids(queries, k)
         for a, b in zip(got, exhaustive, strict=True):
             assert [d for d, _ in a] == [d for d, _ in b]
-            np.testing.assert_allclose([s for _, s in a], [s for _, s in b], rtol=1e-5)
+            # the same stored float32 term scores (<= 8 distinct query terms), summed in two orders
+            np.testing.assert_allclose([s for _, s in a], [s for _, s in b], rtol=fp32.between(1.0, 8))
     assert BM25Scorer(index_dir, params).strategy == "maxscore"  # the default
     with pytest.raises(ValueError, match="strategy"):
         BM25Scorer(index_dir, params, strategy="wand")
