@@ -366,7 +366,7 @@ def prepare_inputs(log: TextIO) -> tuple[Inputs, Any]:
     Returns the inputs and the server (``.stop()`` it when done).
     """
     from sorl_verl.cpu.chatml_alias import chatml_alias
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.qa_build import ensure_embedded_default
     from sorl_verl.retrieval.server import serve_in_background
 
     with contextlib.redirect_stdout(sys.stderr):

@@ -7,17 +7,17 @@ import json
 import pytest
 
 from sorl_verl.agent.prompts import ANSWER_CLOSE, INFO_CLOSE, INFO_OPEN, SEARCH_CLOSE
-from sorl_verl.data.embedded import EmbeddedConfig, ensure_embedded_default, make_observer
-from sorl_verl.data.synthetic_world import read_jsonl
-from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import (
+from sorl_verl.embedded.qa_build import EmbeddedConfig, ensure_embedded_default
+from sorl_verl.embedded.qa_trajectories import evaluate_em, expert_segments
+from sorl_verl.embedded.tiny_model import TinyModelSpec
+from sorl_verl.embedded.warmstart import (
     SFTConfig,
-    evaluate_em,
-    expert_segments,
     greedy_rollouts,
+    make_observer,
     prompt_ids,
     tokenize_trajectory,
 )
+from sorl_verl.embedded.world import read_jsonl
 
 SMALL = EmbeddedConfig(
     seed=7, num_entities=24, num_val_per_hop=6, num_test_per_hop=6, vocab_size=800,

@@ -20,8 +20,8 @@ from sorl_verl.embedded.medical_world import (
     data_source,
     generate_medical_world,
     medical_records,
-    write_medical_world,
 )
+from sorl_verl.embedded.world import write_world
 from sorl_verl.rewards.score import compute_score
 
 SMALL = MedicalWorldConfig(seed=5, num_conditions=40, num_drugs=30, num_mechanisms=10, num_val_per_type=8,
@@ -51,10 +51,10 @@ def _all_questions(world) -> list[dict]:
 
 
 def test_same_seed_same_bytes_new_seed_new_world(tmp_path: Path) -> None:
-    a = _digest(write_medical_world(generate_medical_world(SMALL), tmp_path / "a"))
-    b = _digest(write_medical_world(generate_medical_world(SMALL), tmp_path / "b"))
+    a = _digest(write_world(generate_medical_world(SMALL), tmp_path / "a"))
+    b = _digest(write_world(generate_medical_world(SMALL), tmp_path / "b"))
     other = MedicalWorldConfig(**{**SMALL.__dict__, "seed": 6})
-    c = _digest(write_medical_world(generate_medical_world(other), tmp_path / "c"))
+    c = _digest(write_world(generate_medical_world(other), tmp_path / "c"))
     assert a == b
     assert set(a) == {"corpus", "train", "val", "test"}
     assert all(a[k] != c[k] for k in a)
@@ -184,7 +184,7 @@ def test_rows_are_mcq_records_scored_by_the_project_reward(world) -> None:
 def test_world_files_read_by_the_medqa_converter_give_the_same_rows(world, tmp_path: Path) -> None:
     from sorl_verl.data.convert import convert_rows
 
-    paths = write_medical_world(world, tmp_path)
+    paths = write_world(world, tmp_path)
     converted = convert_rows("medqa", paths["val"], "val")
     ours = medical_records(world.questions["val"], "val")
     assert len(converted) == len(ours)
