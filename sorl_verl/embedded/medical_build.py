@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
+from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
     build_bm25_step,
@@ -40,8 +40,9 @@ from sorl_verl.embedded.tiny_model import TinyModelSpec
 from sorl_verl.embedded.warmstart import TOPK, Observer, SFTConfig
 
 #: bump when the content a step produces changes for the same parameters
-BUILD_VERSION = 2  # 2: trajectories check the options in letter order up to the gold one
+BUILD_VERSION = 3  # 2: trajectories check the options in letter order up to the gold one; 3: twin worlds
 TAG = "embedded-medical"
+TWIN_SEED_OFFSET = 1000
 SPLITS = ("train", "val", "test")
 
 
@@ -52,9 +53,14 @@ class MedicalEmbeddedConfig:
     world: MedicalWorldConfig = field(default_factory=MedicalWorldConfig)
     vocab_size: int = 3000
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    #: SFT trajectories per question type (small types get extra option draws)
-    sft_per_type: int = 300
+    #: 800 steps: without the world's facts to remember (twin worlds), copying names out of the question, the
+    #: passages and the option lines appears abruptly after about 600 steps (the validation loss falls from 0.6)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=800))
+    #: SFT trajectories per question type of the world itself (small types get extra option draws)
+    sft_per_type: int = 100
+    #: twin worlds (same names, other facts: :func:`generate_medical_world` ``twin_of``) whose every question
+    #: adds an SFT trajectory, over the twin's own BM25 index; seeds ``world.seed + TWIN_SEED_OFFSET + i``
+    sft_twin_worlds: int = 3
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -124,6 +130,33 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
     return [q for t in QUESTION_TYPES for q in [q for q in val if q["type"] == t][:per_type]]
 
 
+def twin_world_examples(
+    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True
+) -> list[tuple[list[int], list[int]]]:
+    """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
+
+    The observations come from a BM25 index of the twin's own corpus (built in a temporary directory).
+    Trained beside the world's own trajectories, they make the world's facts unlearnable by heart:
+    the same names state other facts there, so what lowers the loss is copying from the passages.
+    """
+    import tempfile
+
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
+    from sorl_verl.embedded.medical_world import generate_medical_world
+    from sorl_verl.embedded.warmstart import make_observer
+    from sorl_verl.embedded.world import write_world
+    from sorl_verl.retrieval.build import build_index
+
+    twin = generate_medical_world(replace(world.config, seed=seed), twin_of=world)
+    with tempfile.TemporaryDirectory(prefix="sorl-twin-") as tmp:
+        corpus = write_world(twin, tmp)["corpus"]
+        build_index(corpus, Path(tmp) / "bm25", overwrite=True, show_progress=False)
+        observe = make_observer(Path(tmp) / "bm25", topk)
+        return build_medical_sft_examples(
+            tokenizer, [q for split in SPLITS for q in twin.questions[split]], observe, progress=progress
+        )
+
+
 def ensure_embedded_medical(
     root: str | Path | None = None,
     force: bool = False,
@@ -181,7 +214,7 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
-          "per_type": cfg.sft_per_type, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
           "max_turns": cfg.max_turns}, build_model)  # fmt: skip
 
     record_build(paths, timings)
@@ -208,6 +241,8 @@ def _warm_start(
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
     examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress)
+    for i in range(cfg.sft_twin_worlds):
+        examples += twin_world_examples(tok, world, world.config.seed + TWIN_SEED_OFFSET + i, cfg.topk, progress)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()
