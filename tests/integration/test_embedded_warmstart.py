@@ -140,11 +140,11 @@ def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, c
     stamps = {d: (d / ".stamp.json").read_text() for d in (built.index_dir, built.tokenizer_dir, built.model_dir)}
     capsys.readouterr()
     again = ensure_embedded_default(built.root, config=SMALL, progress=False)
-    assert "building" not in capsys.readouterr().out
+    assert "building" not in capsys.readouterr().err  # build progress goes to stderr
     assert {d: (d / ".stamp.json").read_text() for d in stamps} == stamps
     assert again.model_dir == built.model_dir
     # a different SFT budget rebuilds only the model step
     changed = EmbeddedConfig(**{**SMALL.__dict__, "sft": SFTConfig(steps=2, batch_size=4, warmup_steps=1)})
     ensure_embedded_default(built.root, config=changed, progress=False)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "building model" in out and "building tokenizer" not in out and "building index" not in out
