@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import replace
 
-from sorl_verl.data.embedded import EmbeddedConfig, ensure_embedded_default
+from sorl_verl.embedded.qa_build import EmbeddedConfig, ensure_embedded_default
 
 
 def main(argv: list[str] | None = None) -> None:

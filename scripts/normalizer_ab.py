@@ -72,7 +72,7 @@ def run_arm(name: str, steps: int, run_dir: Path) -> dict:
     updates = [json.loads(x) for x in (run_dir / "checkpoints" / "sorl_updates.jsonl").read_text().splitlines()]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = next(m["data"] for m in metrics if "timing_s/step" in m["data"])
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.qa_build import ensure_embedded_default
 
     model_dir = ensure_embedded_default().model_dir  # demo.sh's model (same SORL_HOME, see main)
     return {

@@ -1,1 +1,1 @@
-"""Datasets: verl parquet records, converters of public QA sets, the synthetic multi-hop world."""
+"""Datasets: verl parquet records and the converters of public QA and medical multiple-choice sets (the embedded worlds live in sorl_verl.embedded)."""

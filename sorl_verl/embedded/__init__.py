@@ -1,7 +1,10 @@
-"""The embedded default's worlds, trajectories and builds (offline, CPU-sized).
+"""The embedded defaults: offline, CPU-sized worlds, tokenizer, tiny model, warm-start and builds of both tasks.
 
-``medical_world`` (synthetic medical knowledge world, multiple-choice questions),
-``medical_trajectories`` (warm-start expert trajectories ending with an option letter) and
-``medical_build`` (``ensure_embedded_medical``: world -> corpus -> BM25 index -> verl parquet ->
-tokenizer -> warm-started tiny model, cached under ``$SORL_HOME/embedded_medical``).
+``world`` (what the worlds share), ``qa_world`` / ``medical_world`` (the synthetic multi-hop QA and
+medical multiple-choice worlds), ``tokenizer``, ``tiny_model`` (the one tiny-Qwen2 builder, also of
+the tests' random models), ``warmstart`` (expert search trajectories, SFT, rollout evaluation),
+``qa_trajectories`` / ``medical_trajectories``, ``steps`` (stamped atomic build steps),
+``qa_build`` (``ensure_embedded_default``, ``$SORL_HOME/embedded``) / ``medical_build``
+(``ensure_embedded_medical``, ``$SORL_HOME/embedded_medical``) and ``demo_paths`` (what a
+``main_ppo`` launch of a task needs). docs/embedded-default.md describes both.
 """

@@ -49,7 +49,7 @@ def embedded_task(task: str, progress: bool = True) -> EmbeddedTask:
         raise ValueError(f"unknown task {task!r}; choose from {sorted(TASK_OVERLAYS)}")
     with contextlib.redirect_stdout(sys.stderr):  # only the variables reach stdout
         if task == "qa":
-            from sorl_verl.data.embedded import ensure_embedded_default
+            from sorl_verl.embedded.qa_build import ensure_embedded_default
 
             paths = ensure_embedded_default(progress=progress)
         else:

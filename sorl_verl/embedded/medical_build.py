@@ -8,7 +8,7 @@ inputs, so changing a parameter rebuilds that step and everything downstream::
     world/      corpus.jsonl, {train,val,test}.jsonl (MedQA-keyed)  (medical_world.generate_medical_world)
     data/       {split}.parquet, {split}_{type}.parquet             (rows of records.mcq_record)
     index/      BM25 index of the corpus                            (sorl_verl.retrieval.build.build_index)
-    tokenizer/  byte-level BPE + chat template                      (data.tiny_tokenizer.train_tokenizer)
+    tokenizer/  byte-level BPE + chat template                      (tokenizer.train_tokenizer)
     model/      tiny Qwen2ForCausalLM SFT warm-started on expert trajectories ending with an option
                 letter, tokenizer files and warmstart.json (losses, timings, greedy and T=1 success)
     report.json build seconds of each step and the warm-start report
@@ -21,20 +21,28 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.data.embedded import EmbeddedPaths
-from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import Observer, SFTConfig, warmstart_report
-from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
-from sorl_verl.embedded.steps import build_lock, log, run_step
+from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
+from sorl_verl.embedded.steps import (
+    EmbeddedPaths,
+    build_bm25_step,
+    build_lock,
+    log,
+    record_build,
+    run_step,
+    task_paths,
+    torch_threads,
+)
+from sorl_verl.embedded.tiny_model import TinyModelSpec
+from sorl_verl.embedded.warmstart import TOPK, Observer, SFTConfig
 
 #: bump when the content a step produces changes for the same parameters
-BUILD_VERSION = 2  # 2: trajectories check the options in letter order up to the gold one
-TOPK = 3
+BUILD_VERSION = 3  # 2: trajectories check the options in letter order up to the gold one; 3: twin worlds
 TAG = "embedded-medical"
+TWIN_SEED_OFFSET = 1000
 SPLITS = ("train", "val", "test")
 
 
@@ -45,9 +53,14 @@ class MedicalEmbeddedConfig:
     world: MedicalWorldConfig = field(default_factory=MedicalWorldConfig)
     vocab_size: int = 3000
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    #: SFT trajectories per question type (small types get extra option draws)
-    sft_per_type: int = 300
+    #: 800 steps: without the world's facts to remember (twin worlds), copying names out of the question, the
+    #: passages and the option lines appears abruptly after about 600 steps (the validation loss falls from 0.6)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=800))
+    #: SFT trajectories per question type of the world itself (small types get extra option draws)
+    sft_per_type: int = 100
+    #: twin worlds (same names, other facts: :func:`generate_medical_world` ``twin_of``) whose every question
+    #: adds an SFT trajectory, over the twin's own BM25 index; seeds ``world.seed + TWIN_SEED_OFFSET + i``
+    sft_twin_worlds: int = 3
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -57,27 +70,15 @@ class MedicalEmbeddedConfig:
     num_threads: int = 1
 
 
-#: where the built artefacts are: the QA default's layout ("val_diagnosis", ... per question type)
-MedicalPaths = EmbeddedPaths
-
-
 def default_root() -> Path:
     from sorl_verl.paths import data_home
 
     return data_home() / "embedded_medical"
 
 
-def medical_paths(root: str | Path) -> MedicalPaths:
-    """The layout under ``root`` (whether built or not)."""
-    root = Path(root)
-    parquet = {s: root / "data" / f"{s}.parquet" for s in SPLITS}
-    parquet.update({f"{s}_{t}": root / "data" / f"{s}_{t}.parquet" for s in SPLITS for t in QUESTION_TYPES})
-    return MedicalPaths(
-        root=root, corpus=root / "world" / "corpus.jsonl",
-        questions={s: root / "world" / f"{s}.jsonl" for s in SPLITS},
-        parquet=parquet, index_dir=root / "index", tokenizer_dir=root / "tokenizer",
-        model_dir=root / "model", report=root / "report.json",
-    )  # fmt: skip
+def medical_paths(root: str | Path) -> EmbeddedPaths:
+    """The layout under ``root`` (whether built or not): the QA default's, one parquet per question type."""
+    return task_paths(root, SPLITS, tuple(QUESTION_TYPES))
 
 
 def evaluate_mcq(
@@ -90,12 +91,12 @@ def evaluate_mcq(
 ) -> dict[str, Any]:
     """Success rate (the project's ``compute_score`` on each row's ground truth) overall, per type and per hop count.
 
-    Rollouts are multi-turn with retrieval in the loop (:func:`sorl_verl.data.warmstart.greedy_rollouts`),
+    Rollouts are multi-turn with retrieval in the loop (:func:`sorl_verl.embedded.warmstart.greedy_rollouts`),
     greedy at temperature 0, else plain sampling.
     """
-    from sorl_verl.data.warmstart import greedy_rollouts
     from sorl_verl.embedded.medical_trajectories import user_message
     from sorl_verl.embedded.medical_world import data_source
+    from sorl_verl.embedded.warmstart import greedy_rollouts
     from sorl_verl.rewards.score import compute_score
 
     t0 = time.perf_counter()
@@ -129,12 +130,39 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
     return [q for t in QUESTION_TYPES for q in [q for q in val if q["type"] == t][:per_type]]
 
 
+def twin_world_examples(
+    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True
+) -> list[tuple[list[int], list[int]]]:
+    """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
+
+    The observations come from a BM25 index of the twin's own corpus (built in a temporary directory).
+    Trained beside the world's own trajectories, they make the world's facts unlearnable by heart:
+    the same names state other facts there, so what lowers the loss is copying from the passages.
+    """
+    import tempfile
+
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
+    from sorl_verl.embedded.medical_world import generate_medical_world
+    from sorl_verl.embedded.warmstart import make_observer
+    from sorl_verl.embedded.world import write_world
+    from sorl_verl.retrieval.build import build_index
+
+    twin = generate_medical_world(replace(world.config, seed=seed), twin_of=world)
+    with tempfile.TemporaryDirectory(prefix="sorl-twin-") as tmp:
+        corpus = write_world(twin, tmp)["corpus"]
+        build_index(corpus, Path(tmp) / "bm25", overwrite=True, show_progress=False)
+        observe = make_observer(Path(tmp) / "bm25", topk)
+        return build_medical_sft_examples(
+            tokenizer, [q for split in SPLITS for q in twin.questions[split]], observe, progress=progress
+        )
+
+
 def ensure_embedded_medical(
     root: str | Path | None = None,
     force: bool = False,
     config: MedicalEmbeddedConfig | None = None,
     progress: bool = True,
-) -> MedicalPaths:
+) -> EmbeddedPaths:
     """Build (or reuse) the embedded medical default under ``root``; ``force`` rebuilds every step."""
     cfg = config or MedicalEmbeddedConfig()
     root = Path(root) if root is not None else default_root()
@@ -142,9 +170,9 @@ def ensure_embedded_medical(
         return _build(root, cfg, force, progress)
 
 
-def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) -> MedicalPaths:
-    from sorl_verl.data.synthetic_world import read_jsonl
-    from sorl_verl.embedded.medical_world import generate_medical_world, medical_to_parquet, write_medical_world
+def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) -> EmbeddedPaths:
+    from sorl_verl.embedded.medical_world import generate_medical_world, medical_to_parquet
+    from sorl_verl.embedded.world import read_jsonl, write_world
 
     paths = medical_paths(root)
     timings: dict[str, float] = {}
@@ -157,7 +185,7 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
         "world",
         root / "world",
         {"world": asdict(cfg.world)},
-        lambda tmp: write_medical_world(generate_medical_world(cfg.world), tmp),
+        lambda tmp: write_world(generate_medical_world(cfg.world), tmp),
     )
     questions = {s: read_jsonl(p) for s, p in paths.questions.items()}
 
@@ -169,19 +197,11 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
     step("data", root / "data", {"world": world_stamp}, build_data)
 
-    def build_index_step(tmp: Path) -> None:
-        from sorl_verl.retrieval.build import build_index
-
-        build_index(paths.corpus, tmp / "bm25", overwrite=True, show_progress=progress)
-        for f in (tmp / "bm25").iterdir():
-            f.rename(tmp / f.name)
-        (tmp / "bm25").rmdir()
-
-    index_stamp = step("index", paths.index_dir, {"world": world_stamp}, build_index_step)
+    index_stamp = step("index", paths.index_dir, {"world": world_stamp}, build_bm25_step(paths.corpus, progress))
 
     def build_tokenizer(tmp: Path) -> None:
-        from sorl_verl.data.tiny_tokenizer import train_tokenizer
         from sorl_verl.embedded.medical_trajectories import user_message
+        from sorl_verl.embedded.tokenizer import train_tokenizer
 
         texts = [d["contents"] for d in read_jsonl(paths.corpus)] + [user_message(q) for q in questions["train"]]
         train_tokenizer(texts, tmp, vocab_size=cfg.vocab_size)
@@ -189,44 +209,31 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
     tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size}, build_tokenizer)
 
     def build_model(tmp: Path) -> None:
-        import torch
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.num_threads)
-        try:
+        with torch_threads(cfg.num_threads):
             _warm_start(cfg, paths, questions, tmp, progress)
-        finally:
-            torch.set_num_threads(threads)
 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
-          "per_type": cfg.sft_per_type, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
           "max_turns": cfg.max_turns}, build_model)  # fmt: skip
 
-    if timings:
-        old = json.loads(paths.report.read_text()) if paths.report.is_file() else {}
-        old.setdefault("build_seconds", {}).update(timings)
-        ws = paths.model_dir / "warmstart.json"
-        if ws.is_file():
-            old["warmstart"] = json.loads(ws.read_text())
-        paths.report.write_text(json.dumps(old, indent=1))
+    record_build(paths, timings)
     return paths
 
 
 def _warm_start(
     cfg: MedicalEmbeddedConfig,
-    paths: MedicalPaths,
+    paths: EmbeddedPaths,
     questions: dict[str, list[dict[str, Any]]],
     out: Path,
     progress: bool,
 ) -> None:
     from transformers import AutoTokenizer
 
-    from sorl_verl.data.embedded import make_observer
-    from sorl_verl.data.tiny_model import build_tiny_qwen2, save_model
-    from sorl_verl.data.warmstart import train_sft
     from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, sft_questions
     from sorl_verl.embedded.medical_world import generate_medical_world
+    from sorl_verl.embedded.tiny_model import build_tiny_qwen2, save_model
+    from sorl_verl.embedded.warmstart import make_observer, train_sft, warmstart_report
 
     tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
     observe = make_observer(paths.index_dir, cfg.topk)
@@ -234,6 +241,8 @@ def _warm_start(
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
     examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress)
+    for i in range(cfg.sft_twin_worlds):
+        examples += twin_world_examples(tok, world, world.config.seed + TWIN_SEED_OFFSET + i, cfg.topk, progress)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
 checked in letter order up to the gold one, :func:`option_checks`) and the
 observations come from the real retriever. Policy segments have loss mask 1, prompt and
-observations 0 (:func:`sorl_verl.data.warmstart.tokenize_trajectory`).
+observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from sorl_verl.agent.prompts import (
-    ANSWER_CLOSE,
-    ANSWER_OPEN,
-    SEARCH_CLOSE,
-    SEARCH_OPEN,
-    THINK_CLOSE,
-    THINK_OPEN,
-    information_block,
-    mcq_prompt,
-)
-from sorl_verl.data.warmstart import Observer, tokenize_trajectory
+from sorl_verl.agent.prompts import mcq_prompt
 from sorl_verl.embedded.medical_world import RELATIONS, MedicalWorld
+from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments
 
 
 def user_message(question: dict[str, Any]) -> str:
@@ -45,17 +36,9 @@ def _fact(rel: str, subject: str, value: str) -> str:
 
 def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
     """The scripted response as ``(text, is_policy)`` segments (EOS not included)."""
-    hops, chain = question["hop_queries"], question["chain"]
-    answer, letter = question["answer"], question["answer_idx"]
-    observations = observe(list(hops))
-    segs: list[tuple[str, bool]] = []
-    for i, query in enumerate(hops):
-        thought = f"I need to search {query}." if i == 0 else _fact(chain[i - 1], hops[i - 1], query)
-        segs.append((f"{THINK_OPEN} {thought} {THINK_CLOSE}\n{SEARCH_OPEN} {query} {SEARCH_CLOSE}", True))
-        segs.append((information_block(observations[i]), False))
-    final = " ".join([_fact(chain[-1], hops[-1], answer), *option_checks(question["options"], letter)])
-    segs.append((f"{THINK_OPEN} {final} {THINK_CLOSE}\n{ANSWER_OPEN} {letter} {ANSWER_CLOSE}", True))
-    return segs
+    hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
+    final = " ".join([_fact(chain[-1], hops[-1], question["answer"]), *option_checks(question["options"], letter)])
+    return expert_search_segments(question, _fact, observe, final, letter)
 
 
 def option_checks(options: dict[str, str], letter: str) -> list[str]:
@@ -99,9 +82,4 @@ def build_medical_sft_examples(
     tokenizer, questions: Sequence[dict[str, Any]], observe: Observer, progress: bool = True
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
-    from tqdm.auto import tqdm
-
-    return [
-        tokenize_trajectory(tokenizer, q["question"], expert_segments(q, observe), prompt=user_message(q))
-        for q in tqdm(questions, desc="expert trajectories", disable=not progress, mininterval=2)
-    ]
+    return build_sft_examples(tokenizer, questions, lambda q: expert_segments(q, observe), user_message, progress)

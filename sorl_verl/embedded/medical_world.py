@@ -26,14 +26,22 @@ syllable-built, not real, and no name word is shared by two entities. Same argum
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.data.synthetic_world import CODAS, ONSETS, VOWELS
+from sorl_verl.embedded.world import (
+    Entity,
+    EntityRegistry,
+    KnowledgeWorld,
+    NameMaker,
+    follow,
+    index_passages,
+    rows_to_parquet,
+    search_extra,
+)
 
 ORGANS = ("heart", "lung", "liver", "kidney", "skin", "brain", "stomach", "pancreas", "thyroid", "spleen")
 CONDITION_SUFFIXES = ("itis", "osis", "emia", "pathy", "algia", "oma")
@@ -115,17 +123,6 @@ QUESTION_TYPES: dict[str, QuestionType] = {
 }
 
 
-@dataclass
-class Entity:
-    """One fictional entity; ``facts`` maps relation name -> entity key (organs: the organ itself)."""
-
-    key: str
-    kind: str
-    name: str
-    facts: dict[str, str] = field(default_factory=dict)
-    doc_id: str = ""  # "" for mechanisms (no passage)
-
-
 @dataclass(frozen=True)
 class MedicalWorldConfig:
     """Sizes of the world and of its splits (all enter the build stamps)."""
@@ -141,19 +138,10 @@ class MedicalWorldConfig:
 
 
 @dataclass
-class MedicalWorld:
-    """Entities, their passages and the questions asked about them."""
+class MedicalWorld(KnowledgeWorld):
+    """The medical world of ``config``: entities (organs are attribute values), passages, questions."""
 
-    config: MedicalWorldConfig
-    entities: dict[str, Entity]
-    corpus: list[dict[str, str]]
-    questions: dict[str, list[dict[str, Any]]]  # split -> question records
-
-    def passage(self, doc_id: str) -> str:
-        """``contents`` of one corpus passage (doc ids are corpus positions)."""
-        doc = self.corpus[int(doc_id)]
-        assert doc["id"] == doc_id
-        return doc["contents"]
+    config: MedicalWorldConfig = field(default_factory=MedicalWorldConfig)
 
     def pool(self, kind: str) -> list[str]:
         """Every answer string of ``kind`` in the world, in a fixed order."""
@@ -180,23 +168,6 @@ class MedicalWorld:
         return {**question, "id": question["id"] + suffix, "options": options, "answer_idx": letter}
 
 
-class _NameMaker:
-    """Unique syllable words; no word repeats anywhere in the world."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-        self.words: set[str] = set()
-
-    def word(self, syllables: int, suffix: str = "") -> str:
-        for _ in range(10_000):
-            parts = [self.rng.choice(ONSETS) + self.rng.choice(VOWELS) for _ in range(syllables)]
-            w = ("".join(parts) + (suffix or self.rng.choice(CODAS))).capitalize()
-            if w.lower() not in self.words and len(w) >= 5:
-                self.words.add(w.lower())
-                return w
-        raise RuntimeError("name space exhausted; use fewer entities")
-
-
 def _answer_name(ents: dict[str, Entity], rel: str, value: str) -> str:
     return value if RELATIONS[rel].obj == "organ" else ents[value].name
 
@@ -218,14 +189,7 @@ def _passage_text(e: Entity, ents: dict[str, Entity]) -> str:
 
 def _follow(ents: dict[str, Entity], start: str, chain: Sequence[str]) -> tuple[list[Entity], str]:
     """Entities searched (one per hop) and the final answer string."""
-    visited, cur = [], ents[start]
-    for rel in chain:
-        visited.append(cur)
-        value = cur.facts[rel]
-        if RELATIONS[rel].obj == "organ":
-            return visited, value
-        cur = ents[value]
-    return visited, cur.name
+    return follow(ents, start, chain, lambda rel: RELATIONS[rel].obj == "organ")
 
 
 def _draw_options(
@@ -244,13 +208,8 @@ def _draw_options(
 
 
 def _make_entities(cfg: MedicalWorldConfig, rng: random.Random) -> dict[str, Entity]:
-    names = _NameMaker(rng)
-    ents: dict[str, Entity] = {}
-
-    def make(kind: str, i: int, name: str) -> Entity:
-        e = Entity(key=f"{kind}{i}", kind=kind, name=name)
-        ents[e.key] = e
-        return e
+    names = NameMaker(rng, min_length=5, coda_and_suffix=False)
+    ents = EntityRegistry()
 
     mechanisms = []
     for i in range(cfg.num_mechanisms):
@@ -258,13 +217,13 @@ def _make_entities(cfg: MedicalWorldConfig, rng: random.Random) -> dict[str, Ent
             name = f"{names.word(1, 'ase')} {rng.choice(ENZYME_ACTIONS)}"
         else:
             name = f"{names.word(2)} {rng.choice(RECEPTOR_ACTIONS)}"
-        mechanisms.append(make("mechanism", i, name))
+        mechanisms.append(ents.make("mechanism", i, name))
     conditions = [
-        make("condition", i, names.word(2, rng.choice(CONDITION_SUFFIXES))) for i in range(cfg.num_conditions)
+        ents.make("condition", i, names.word(2, rng.choice(CONDITION_SUFFIXES))) for i in range(cfg.num_conditions)
     ]
-    drugs = [make("drug", i, names.word(2, rng.choice(DRUG_SUFFIXES))) for i in range(cfg.num_drugs)]
+    drugs = [ents.make("drug", i, names.word(2, rng.choice(DRUG_SUFFIXES))) for i in range(cfg.num_drugs)]
     findings = [
-        make("finding", i, f"{names.word(2)} {rng.choice(FINDING_NOUNS)}")
+        ents.make("finding", i, f"{names.word(2)} {rng.choice(FINDING_NOUNS)}")
         for i in range(cfg.num_conditions * cfg.findings_per_condition)
     ]
 
@@ -282,8 +241,27 @@ def _make_entities(cfg: MedicalWorldConfig, rng: random.Random) -> dict[str, Ent
     return ents
 
 
-def generate_medical_world(config: MedicalWorldConfig | None = None) -> MedicalWorld:
-    """Build the world of ``config`` (see the module docstring); deterministic in ``config``."""
+def _take_names(ents: dict[str, Entity], source: MedicalWorld, rng: random.Random) -> None:
+    """Rename the entities of each kind with the names of ``source``'s entities of that kind (a random bijection)."""
+    for kind in ("mechanism", "condition", "drug", "finding"):
+        mine = [e for e in ents.values() if e.kind == kind]
+        names = [e.name for e in source.entities.values() if e.kind == kind]
+        if len(mine) != len(names):
+            raise ValueError(f"a twin world needs as many {kind}s as its source ({len(names)}), got {len(mine)}")
+        rng.shuffle(names)
+        for e, name in zip(mine, names, strict=True):
+            e.name = name
+
+
+def generate_medical_world(
+    config: MedicalWorldConfig | None = None, twin_of: MedicalWorld | None = None
+) -> MedicalWorld:
+    """Build the world of ``config`` (see the module docstring); deterministic in ``config`` (and ``twin_of``).
+
+    ``twin_of``: a world of the same sizes whose names this one takes over (each kind's names in a
+    random bijection) while its facts, splits and options are its own: the same words state other
+    facts, so a model trained on both can only answer by reading the passages, not by remembering.
+    """
     cfg = config or MedicalWorldConfig()
     if cfg.num_conditions < 6 or cfg.num_drugs < 6 or cfg.num_mechanisms < 5 or cfg.findings_per_condition < 1:
         raise ValueError("need >= 6 conditions, >= 6 drugs, >= 5 mechanisms and >= 1 finding per condition")
@@ -291,13 +269,12 @@ def generate_medical_world(config: MedicalWorldConfig | None = None) -> MedicalW
         raise ValueError("num_drugs must be <= num_conditions (every drug is first-line for some condition)")
     rng = random.Random(cfg.seed)
     ents = _make_entities(cfg, rng)
+    if twin_of is not None:
+        _take_names(ents, twin_of, rng)
     order = [e for e in ents.values() if e.kind != "mechanism"]
     rng.shuffle(order)
-    corpus = []
-    for i, e in enumerate(order):
-        e.doc_id = str(i)
-        corpus.append({"id": e.doc_id, "contents": f'"{e.name}"\n{_passage_text(e, ents)}'})
-    world = MedicalWorld(config=cfg, entities=ents, corpus=corpus, questions={})
+    corpus = index_passages(order, lambda e: _passage_text(e, ents))
+    world = MedicalWorld(entities=ents, corpus=corpus, questions={}, config=cfg)
 
     splits: dict[str, list[dict[str, Any]]] = {"train": [], "val": [], "test": []}
     for qtype in QUESTION_TYPES.values():
@@ -335,24 +312,6 @@ def generate_medical_world(config: MedicalWorldConfig | None = None) -> MedicalW
     return world
 
 
-def _write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-
-
-def write_medical_world(world: MedicalWorld, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``corpus.jsonl`` and ``{train,val,test}.jsonl`` (MedQA-keyed rows); returns name -> path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"corpus": out / "corpus.jsonl"}
-    _write_jsonl(world.corpus, paths["corpus"])
-    for split, rows in world.questions.items():
-        paths[split] = out / f"{split}.jsonl"
-        _write_jsonl(rows, paths[split])
-    return paths
-
-
 def data_source(question_type: str) -> str:
     """``data_source`` of a question type's parquet rows (validation metrics are grouped by it)."""
     return f"synthetic_med_{question_type}"
@@ -370,13 +329,7 @@ def medical_records(questions: Sequence[dict[str, Any]], split: str) -> list[dic
             data_source(q["type"]),
             split,
             i,
-            extra={
-                "id": q["id"],
-                "type": q["type"],
-                "hops": q["hops"],
-                "support_ids": list(q["support_ids"]),
-                "hop_queries": list(q["hop_queries"]),
-            },
+            extra={**search_extra(q), "type": q["type"]},
         )
         for i, q in enumerate(questions)
     ]
@@ -384,9 +337,4 @@ def medical_records(questions: Sequence[dict[str, Any]], split: str) -> list[dic
 
 def medical_to_parquet(questions: Sequence[dict[str, Any]], out_path: str | Path, split: str) -> Path:
     """verl parquet of ``questions`` (rows of :func:`medical_records`)."""
-    import pandas as pd
-
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(medical_records(questions, split)).to_parquet(out, index=False)
-    return out
+    return rows_to_parquet(medical_records(questions, split), out_path)

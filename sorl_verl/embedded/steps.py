@@ -1,9 +1,11 @@
-"""Stamped, atomic build steps (progress on stderr).
+"""Stamped, atomic build steps (progress on stderr) and what the builds of both tasks share.
 
 ``run_step(name, out, inputs, build)`` runs ``build(tmp_dir)`` unless ``out/.stamp.json`` records
 the same hash of ``inputs``; the result is assembled in a temporary sibling directory and renamed
 into place, so an interrupted build never leaves a half-written step. ``build_lock(root)`` makes
-concurrent first uses wait for one builder instead of building twice.
+concurrent first uses wait for one builder instead of building twice. :class:`EmbeddedPaths` is
+the layout of a built task, :func:`build_bm25_step` its index step, :func:`record_build` its
+``report.json``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,36 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class EmbeddedPaths:
+    """Where the built artefacts of one task are."""
+
+    root: Path
+    corpus: Path
+    questions: dict[str, Path]  # split -> jsonl
+    parquet: dict[str, Path]  # "train", "val", "test" and per-group splits ("train_1hop", "val_diagnosis") -> parquet
+    index_dir: Path
+    tokenizer_dir: Path
+    model_dir: Path
+    report: Path
+
+
+def task_paths(root: str | Path, splits: tuple[str, ...], groups: tuple[str, ...]) -> EmbeddedPaths:
+    """The layout under ``root``: ``world/``, ``data/{split}.parquet`` and ``data/{split}_{group}.parquet``, ..."""
+    root = Path(root)
+    parquet = {s: root / "data" / f"{s}.parquet" for s in splits}
+    parquet.update({f"{s}_{g}": root / "data" / f"{s}_{g}.parquet" for s in splits for g in groups})
+    return EmbeddedPaths(
+        root=root, corpus=root / "world" / "corpus.jsonl",
+        questions={s: root / "world" / f"{s}.jsonl" for s in splits},
+        parquet=parquet, index_dir=root / "index", tokenizer_dir=root / "tokenizer",
+        model_dir=root / "model", report=root / "report.json",
+    )  # fmt: skip
 
 
 def digest(obj: Any) -> str:
@@ -77,3 +107,42 @@ def build_lock(root: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_bm25_step(corpus: Path, progress: bool) -> Callable[[Path], None]:
+    """A step that writes the BM25 index of ``corpus`` into the step's directory itself."""
+
+    def build(tmp: Path) -> None:
+        from sorl_verl.retrieval.build import build_index
+
+        build_index(corpus, tmp / "bm25", overwrite=True, show_progress=progress)
+        for f in (tmp / "bm25").iterdir():
+            f.rename(tmp / f.name)
+        (tmp / "bm25").rmdir()
+
+    return build
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` for the duration (1 is fastest on a shared 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def record_build(paths: EmbeddedPaths, timings: dict[str, float]) -> None:
+    """Merge the seconds of the steps just built and the model's ``warmstart.json`` into ``report.json``."""
+    if not timings:
+        return
+    old = json.loads(paths.report.read_text()) if paths.report.is_file() else {}
+    old.setdefault("build_seconds", {}).update(timings)
+    ws = paths.model_dir / "warmstart.json"
+    if ws.is_file():
+        old["warmstart"] = json.loads(ws.read_text())
+    paths.report.write_text(json.dumps(old, indent=1))

@@ -3,6 +3,8 @@
 A grid file (``recipe/sorl/study/<name>.yaml``)::
 
     name: stress                  # default output: $SORL_HOME/study/<name>
+    task: search_qa               # search_qa (default) | medical_mcq: the task overlay (+task=...)
+                                  # and whose embedded default the cells train and validate on
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
     steps: 20                     # trainer.total_training_steps of every cell
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
@@ -25,7 +27,10 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     cells:                        # union of products regimes x algorithms x seeds
       - {regimes: [many_updates], algorithms: [grpo, so_grpo], seeds: [1, 2, 3]}
 
-Entries of the grid file are merged over the included library key by key (an entry's
+``task`` is grid-level: every cell of a grid runs the same task (``search_qa``: the synthetic
+multi-hop QA world, validation sources ``synthetic_{k}hop``; ``medical_mcq``: the synthetic
+medical multiple-choice world, validation sources ``synthetic_med_<question type>``), so a study
+of the other task is another grid file (and output directory). Entries of the grid file are merged over the included library key by key (an entry's
 ``overrides`` and ``per_regime`` dicts are updated, ``description`` replaced). A cell's
 overrides, later winning: run length and validation size < ``common`` < regime < algorithm <
 algorithm's ``per_regime[regime]`` < seed keys. Keys are plain hydra override keys (``+key`` to
@@ -48,8 +53,12 @@ import yaml
 PLACEHOLDER = "???"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_RE = re.compile(r"^(\+{1,2}|~)?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_0-9][A-Za-z0-9_]*)*$")
+#: the tasks a grid may run (hydra task overlays under recipe/sorl/config/task/ with an embedded default)
+TASKS = ("search_qa", "medical_mcq")
+DEFAULT_TASK = "search_qa"
 GRID_KEYS = {
     "name",
+    "task",
     "description",
     "include",
     "config_dir",
@@ -91,6 +100,8 @@ class Cell:
     algorithm: str
     seed: int
     overrides: Mapping[str, str]
+    #: the grid's task (hydra ``+task=`` overlay); not part of the key: one task per grid
+    task: str = DEFAULT_TASK
 
     @property
     def key(self) -> str:
@@ -111,6 +122,7 @@ class Grid:
     name: str
     path: Path
     description: str
+    task: str
     config_dir: Path
     steps: int
     test_freq: int
@@ -384,6 +396,9 @@ def load_grid(path: str | Path) -> Grid:
     common = {**common, **_overrides(loc, ["common"], data.get("common"))}
 
     name = _name(loc, ["name"], data.get("name", path.stem))
+    task = data.get("task", DEFAULT_TASK)
+    if task not in TASKS:
+        raise loc.error(["task"], f"unknown task {task!r} (known: {', '.join(TASKS)})")
     steps = _positive_int(loc, ["steps"], data.get("steps"))
     test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
@@ -407,11 +422,12 @@ def load_grid(path: str | Path) -> Grid:
         "data.val_max_samples": val_max_samples,
         "data.val_batch_size": val_max_samples,
     }
-    cells = _cells(loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys))
+    cells = _cells(loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys), task)
     return Grid(
         name=name,
         path=path,
         description=str(data.get("description", "")).strip(),
+        task=task,
         config_dir=config_dir,
         steps=steps,
         test_freq=test_freq,
@@ -445,6 +461,7 @@ def _cells(
     base: Mapping[str, Any],
     common: Mapping[str, Any],
     seed_keys: tuple[str, ...],
+    task: str,
 ) -> list[Cell]:
     if not isinstance(raw, list) or not raw:
         raise loc.error(["cells"], "must be a non-empty list of {regimes, algorithms, seeds}")
@@ -477,5 +494,7 @@ def _cells(
                         merged.update(algorithms[a].per_regime.get(r, {}))
                         merged.update({k: s for k in seed_keys})
                         overrides = {k: format_value(v) for k, v in merged.items()}
-                        cells.append(Cell(index=len(cells), regime=r, algorithm=a, seed=s, overrides=overrides))
+                        cells.append(
+                            Cell(index=len(cells), regime=r, algorithm=a, seed=s, overrides=overrides, task=task)
+                        )
     return cells

@@ -5,8 +5,10 @@ Each line is ``{"step": N, "data": {metric: value}}``. Training steps carry
 carry ``val-core/<data_source>/<var>/mean@<n>`` (verl's core validation metric: ``<var>`` is
 ``acc`` when the reward function returns one, else ``reward``, the project's score: 1 for a
 correct well-formed answer). The **validation score** of a validation is the unweighted mean
-over data sources of that core metric (at the largest ``n``): the mean over the synthetic
-splits (1-, 2-, 3-hop) for the embedded default.
+over data sources of that core metric (at the largest ``n``). The embedded defaults' validation
+sources (:data:`TASK_SOURCES`): ``synthetic_{k}hop`` (k = 1, 2, 3) for ``search_qa``, so the
+score is the mean over the hop counts; ``synthetic_med_<question type>`` (diagnosis, treatment,
+..., treatment_contraindication) for ``medical_mcq``, the mean over the question types.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: task -> the data sources of its embedded default's validation rows
+TASK_SOURCES = {
+    "search_qa": re.compile(r"^synthetic_\d+hop$"),
+    "medical_mcq": re.compile(r"^synthetic_med_[a-z][a-z_]*$"),
+}
 _VAL_CORE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
 #: training metrics whose non-finite value means the run diverged (see collapse.py)
 _DIVERGENCE = re.compile(r"^(actor|critic)/(.*loss.*|grad_norm)$")
@@ -45,6 +52,11 @@ def validation_by_source(data: Mapping[str, object]) -> dict[str, float]:
     return {source: x for source, (_, x) in sorted(best.items())}
 
 
+def source_task(source: str) -> str | None:
+    """The task whose embedded default validates on ``source`` (None for any other data source)."""
+    return next((task for task, pattern in TASK_SOURCES.items() if pattern.match(source)), None)
+
+
 @dataclass
 class Trace:
     """One run's metrics: training series and validations, in step order."""
@@ -63,6 +75,12 @@ class Trace:
     def val_scores(self) -> list[tuple[int, float]]:
         """(step, mean over data sources) per validation; the validation score of the study."""
         return [(s, sum(v.values()) / len(v)) for s, v in self.validations if v]
+
+    @property
+    def task(self) -> str | None:
+        """The task of every validation source logged, when they all belong to one embedded default (else None)."""
+        tasks = {source_task(src) for _, v in self.validations for src in v}
+        return tasks.pop() if len(tasks) == 1 else None
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """(step, value) of a training metric, steps ascending."""

@@ -1,13 +1,14 @@
 """Run the cells of a grid: one verl ``main_ppo`` process per cell, the way ``scripts/demo.sh`` runs it.
 
-Per study invocation: the embedded default (built on first use; the model aliased for ChatML by
-:func:`~sorl_verl.cpu.chatml_alias.chatml_alias`) and one retrieval server
+Per study invocation: the embedded default of the grid's task (``task: search_qa | medical_mcq``,
+built on first use, the model aliased for ChatML: :func:`sorl_verl.embedded.demo_paths.embedded_task`,
+the paths ``scripts/demo.sh --task qa|medical`` uses) and one retrieval server over that task's corpus
 (``python -m sorl_verl.retrieval.server --index ... --port 0 --port-file ...``) shared by the cells.
 Per cell, under the shared heavy-job lock (``flock`` on ``/tmp/sorl-heavy.lock``, taken per cell
 so other heavy jobs can interleave)::
 
     VERL_PLATFORM=cpu VERL_FILE_LOGGER_PATH=<cell>/metrics.jsonl python -m verl.trainer.main_ppo \\
-        --config-path <grid config_dir> --config-name sorl_trainer +task=search_qa +platform=cpu \\
+        --config-path <grid config_dir> --config-name sorl_trainer +task=<grid task> +platform=cpu \\
         data.train_files=... data.val_files=... actor_rollout_ref.model.path=... \\
         sorl.agent.retrieval_url=... trainer.experiment_name=... trainer.default_local_dir=... <cell overrides>
 
@@ -15,7 +16,7 @@ Run directory ``<out>/<regime>/<algorithm>/seed<k>/``: ``metrics.jsonl``, ``trai
 ``cell.json`` (command, overrides, status, exit code, wall time, last log lines). Status
 ``done`` (exit 0 and every step logged) is the completed marker: such a cell is skipped.
 ``failed`` is recorded and the grid goes on (re-run with ``retry_failed``). A finished cell
-whose overrides differ from the grid's now is ``changed``: skipped and reported unless
+whose overrides (or task) differ from the grid's now is ``changed``: skipped and reported unless
 ``rerun_changed``. A cell found
 ``running`` or ``interrupted`` was cut off: it is restarted from scratch.
 """
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from sorl_verl.study.grid import Cell, Grid
+from sorl_verl.study.grid import DEFAULT_TASK, Cell, Grid
 from sorl_verl.study.metrics import Trace, read_trace
 
 DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
@@ -100,7 +101,7 @@ def cell_command(grid: Grid, cell: Cell, inputs: Inputs, directory: Path) -> lis
         str(grid.config_dir),
         "--config-name",
         "sorl_trainer",
-        "+task=search_qa",
+        f"+task={cell.task}",
         "+platform=cpu",
         *[f"{k}={v}" for k, v in overrides.items()],
     ]
@@ -258,6 +259,7 @@ def run_cell(
         "regime": cell.regime,
         "algorithm": cell.algorithm,
         "seed": cell.seed,
+        "task": cell.task,
         "steps": grid.steps,
         "overrides": dict(cell.overrides),
         "command": cmd,
@@ -335,12 +337,14 @@ def run_cell(
 
 
 def changed_keys(record: dict[str, Any], cell: Cell) -> list[str]:
-    """Override keys whose value in the recorded run differs from the grid's cell now."""
+    """Override keys whose value in the recorded run differs from the grid's cell now (``task`` when the task does;
+    a record without one ran the default task)."""
     ran = record.get("overrides")
     if not isinstance(ran, dict):
         return []
     now = dict(cell.overrides)
-    return sorted(k for k in set(ran) | set(now) if ran.get(k) != now.get(k))
+    keys = sorted(k for k in set(ran) | set(now) if ran.get(k) != now.get(k))
+    return (["task"] if record.get("task", DEFAULT_TASK) != cell.task else []) + keys
 
 
 def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
@@ -360,24 +364,25 @@ def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
     return "pending"
 
 
-def prepare_inputs(log: TextIO) -> tuple[Inputs, Any]:
-    """Build/load the embedded default and start the retrieval server (call it under the heavy lock).
+#: grid task (hydra overlay) -> the embedded default's task name (``scripts/demo.sh --task``)
+EMBEDDED_TASK = {"search_qa": "qa", "medical_mcq": "medical"}
+
+
+def prepare_inputs(log: TextIO, task: str = DEFAULT_TASK) -> tuple[Inputs, Any]:
+    """Build/load the embedded default of ``task`` and start the retrieval server over its corpus (call it under
+    the heavy lock).
 
     Returns the inputs and the server (``.stop()`` it when done).
     """
-    from sorl_verl.cpu.chatml_alias import chatml_alias
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.demo_paths import embedded_task
     from sorl_verl.retrieval.server import serve_in_background
 
-    with contextlib.redirect_stdout(sys.stderr):
-        paths = ensure_embedded_default()
-    model = chatml_alias(paths.model_dir)
-    server = serve_in_background(paths.index_dir, subprocess_mode=True)
-    print(f"[study] retrieval server {server.retrieve_url} (pid {server.pid})", file=log, flush=True)
-    inputs = Inputs(
-        train=paths.parquet["train"], val=paths.parquet["val"], model=model, retrieval_url=server.retrieve_url
-    )
-    return inputs, server
+    built = embedded_task(EMBEDDED_TASK[task])
+    if built.overlay != task:
+        raise ValueError(f"embedded default of {task!r} runs the overlay {built.overlay!r}")
+    server = serve_in_background(built.index_dir, subprocess_mode=True)
+    print(f"[study] task {task}: retrieval server {server.retrieve_url} (pid {server.pid})", file=log, flush=True)
+    return Inputs(train=built.train, val=built.val, model=built.model, retrieval_url=server.retrieve_url), server
 
 
 @contextlib.contextmanager
@@ -446,7 +451,7 @@ def run_grid(
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     if inputs is None:  # first cell to run: embedded default (built on first use) + server
-                        inputs, server = prepare_inputs(log)
+                        inputs, server = prepare_inputs(log, grid.task)
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)
@@ -469,6 +474,8 @@ def _finished_line(tag: str, rec: dict[str, Any], directory: Path) -> str:
         f"val {vals[0][1]:.3f} -> {vals[-1][1]:.3f} (peak {max(s for _, s in vals):.3f})" if vals else "no validation"
     )
     verdict = ("COLLAPSED: " + v.reason) if v.collapsed else ("not judged: " + v.reason if not v.judged else "stable")
+    if trace.task not in (None, rec.get("task", DEFAULT_TASK)):
+        verdict += f"; validated on {trace.task} data sources, not {rec.get('task', DEFAULT_TASK)}'s"
     if rec["status"] == "done":
         return f"{tag} done in {rec['wall_s']:.0f} s: {score}; {verdict}"
     return f"{tag} FAILED in {rec['wall_s']:.0f} s ({rec['reason']}; see {directory / LOG}): {score}; {verdict}"

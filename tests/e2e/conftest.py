@@ -63,7 +63,7 @@ def small_overrides() -> list[str]:
 @pytest.fixture(scope="session")
 def embedded():
     from sorl_verl.cpu.chatml_alias import chatml_alias
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.qa_build import ensure_embedded_default
 
     paths = ensure_embedded_default(progress=False)
     return paths, chatml_alias(paths.model_dir)

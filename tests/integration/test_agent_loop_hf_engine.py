@@ -16,7 +16,7 @@ from verl.workers.rollout.replica import TokenOutput
 from sorl_verl.agent.search_r1_loop import SearchR1AgentLoop
 from sorl_verl.algorithms.turns import segment_turns
 from sorl_verl.cpu.hf_engine import HFGenerationEngine, SamplingOptions
-from sorl_verl.cpu.hf_tiny_model import build_tiny_qwen2
+from sorl_verl.embedded.tiny_model import write_random_model
 
 
 class EngineServer:
@@ -39,7 +39,7 @@ class EngineServer:
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_tiny_qwen2(tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
+    path = write_random_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024)
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -20,8 +20,9 @@ from verl.workers.rollout.replica import TokenOutput
 
 from sorl_verl.agent.search_r1_loop import SearchR1AgentLoop
 from sorl_verl.algorithms.turns import segment_turns
-from sorl_verl.cpu.hf_tiny_model import build_tokenizer
-from sorl_verl.data.synthetic_world import generate_world, questions_to_parquet, write_world
+from sorl_verl.embedded.qa_world import generate_world, questions_to_parquet
+from sorl_verl.embedded.tokenizer import smoke_tokenizer
+from sorl_verl.embedded.world import write_world
 from sorl_verl.retrieval.build import build_index
 from sorl_verl.retrieval.server import serve_in_background
 from sorl_verl.rewards import compute_score
@@ -55,7 +56,7 @@ async def test_oracle_episodes_on_synthetic_world(world_server: Any) -> None:
     world, root, server = world_server
     rows = pd.read_parquet(questions_to_parquet(world.questions["test"], root / "test.parquet", "test"))
     assert set(rows["data_source"]) == {"synthetic_1hop", "synthetic_2hop", "synthetic_3hop"}
-    tok = build_tokenizer()
+    tok = smoke_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}\nassistant:"
     scripts = {}
     for _, row in rows.iterrows():

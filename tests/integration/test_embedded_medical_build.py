@@ -9,10 +9,6 @@ import pytest
 
 from sorl_verl.agent.actions import parse_action, turn_well_formed
 from sorl_verl.agent.prompts import INFO_CLOSE, INFO_OPEN
-from sorl_verl.data.embedded import make_observer
-from sorl_verl.data.synthetic_world import read_jsonl
-from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import SFTConfig, prompt_ids, tokenize_trajectory
 from sorl_verl.embedded.medical_build import MedicalEmbeddedConfig, ensure_embedded_medical
 from sorl_verl.embedded.medical_trajectories import expert_segments, sft_questions, user_message
 from sorl_verl.embedded.medical_world import (
@@ -20,8 +16,10 @@ from sorl_verl.embedded.medical_world import (
     MedicalWorldConfig,
     data_source,
     generate_medical_world,
-    write_medical_world,
 )
+from sorl_verl.embedded.tiny_model import TinyModelSpec
+from sorl_verl.embedded.warmstart import SFTConfig, make_observer, prompt_ids, tokenize_trajectory
+from sorl_verl.embedded.world import read_jsonl, write_world
 from sorl_verl.rewards.score import compute_score
 
 SMALL = MedicalEmbeddedConfig(
@@ -95,7 +93,7 @@ def test_bm25_top3_holds_every_needed_passage_of_the_default_world(tmp_path) -> 
     from sorl_verl.retrieval.index import load_searcher
 
     world = generate_medical_world(MedicalWorldConfig())
-    corpus = write_medical_world(world, tmp_path / "world")["corpus"]
+    corpus = write_world(world, tmp_path / "world")["corpus"]
     searcher = load_searcher(build_index(corpus, tmp_path / "index", show_progress=False))
     pairs = [(query, doc) for qs in world.questions.values() for q in qs
              for query, doc in zip(q["hop_queries"], q["support_ids"], strict=True)]  # fmt: skip

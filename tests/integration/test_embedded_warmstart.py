@@ -7,17 +7,17 @@ import json
 import pytest
 
 from sorl_verl.agent.prompts import ANSWER_CLOSE, INFO_CLOSE, INFO_OPEN, SEARCH_CLOSE
-from sorl_verl.data.embedded import EmbeddedConfig, ensure_embedded_default, make_observer
-from sorl_verl.data.synthetic_world import read_jsonl
-from sorl_verl.data.tiny_model import TinyModelSpec
-from sorl_verl.data.warmstart import (
+from sorl_verl.embedded.qa_build import EmbeddedConfig, ensure_embedded_default
+from sorl_verl.embedded.qa_trajectories import evaluate_em, expert_segments
+from sorl_verl.embedded.tiny_model import TinyModelSpec
+from sorl_verl.embedded.warmstart import (
     SFTConfig,
-    evaluate_em,
-    expert_segments,
     greedy_rollouts,
+    make_observer,
     prompt_ids,
     tokenize_trajectory,
 )
+from sorl_verl.embedded.world import read_jsonl
 
 SMALL = EmbeddedConfig(
     seed=7, num_entities=24, num_val_per_hop=6, num_test_per_hop=6, vocab_size=800,
@@ -140,11 +140,11 @@ def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, c
     stamps = {d: (d / ".stamp.json").read_text() for d in (built.index_dir, built.tokenizer_dir, built.model_dir)}
     capsys.readouterr()
     again = ensure_embedded_default(built.root, config=SMALL, progress=False)
-    assert "building" not in capsys.readouterr().out
+    assert "building" not in capsys.readouterr().err  # build progress goes to stderr
     assert {d: (d / ".stamp.json").read_text() for d in stamps} == stamps
     assert again.model_dir == built.model_dir
     # a different SFT budget rebuilds only the model step
     changed = EmbeddedConfig(**{**SMALL.__dict__, "sft": SFTConfig(steps=2, batch_size=4, warmup_steps=1)})
     ensure_embedded_default(built.root, config=changed, progress=False)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "building model" in out and "building tokenizer" not in out and "building index" not in out

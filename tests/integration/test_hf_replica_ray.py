@@ -24,7 +24,7 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import get_router_handle
 
 from sorl_verl.cpu.hf_rollout import HFReplica, HFServerAdapter, server_actor_name
-from sorl_verl.cpu.hf_tiny_model import build_tiny_qwen2
+from sorl_verl.embedded.tiny_model import write_random_model
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33], [40, 41], [50, 51, 52], [60], [70, 71]]
 MAX_TOKENS = 10
@@ -73,7 +73,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
-    model_dir = build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+    model_dir = write_random_model(tmp_path_factory.mktemp("tiny_qwen2"))
     rollout = RolloutConfig(
         name="hf",
         tensor_model_parallel_size=1,

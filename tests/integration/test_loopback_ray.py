@@ -70,7 +70,7 @@ def test_ray_node_and_every_ray_listener_are_on_loopback():
 
 
 def test_retrieval_server_binds_loopback_by_default(tmp_path):
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.qa_build import ensure_embedded_default
     from sorl_verl.retrieval.server import serve_in_background
 
     index = ensure_embedded_default(progress=False).index_dir

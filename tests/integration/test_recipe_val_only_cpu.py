@@ -32,7 +32,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def test_train_one_step_then_validation_only_of_its_checkpoint(tmp_path):
     from sorl_verl.cpu.chatml_alias import chatml_alias
-    from sorl_verl.data.embedded import ensure_embedded_default
+    from sorl_verl.embedded.qa_build import ensure_embedded_default
     from sorl_verl.retrieval.server import serve_in_background
 
     paths = ensure_embedded_default(progress=False)

@@ -1,10 +1,11 @@
-"""BM25 over the synthetic multi-hop world finds the gold passage (sorl_verl.data.synthetic_world)."""
+"""BM25 over the synthetic multi-hop world finds the gold passage (sorl_verl.embedded.qa_world)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sorl_verl.data.synthetic_world import generate_world, write_world
+from sorl_verl.embedded.qa_world import generate_world
+from sorl_verl.embedded.world import write_world
 from sorl_verl.retrieval.build import build_index
 from sorl_verl.retrieval.index import IndexSearcher, load_searcher
 

@@ -19,7 +19,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from sorl_verl.cpu.hf_engine import HFGenerationEngine, SamplingOptions
-from sorl_verl.cpu.hf_tiny_model import build_tiny_qwen2
+from sorl_verl.embedded.tiny_model import write_random_model
 from sorl_verl.trainer.reproducible import episode_seed, turn_seed
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -29,7 +29,7 @@ N_REQUESTS = 6
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Qwen2ForCausalLM:
-    path = build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_seeds"), initializer_range=0.05)
+    path = write_random_model(tmp_path_factory.mktemp("tiny_qwen2_seeds"), initializer_range=0.05)
     return Qwen2ForCausalLM.from_pretrained(path).eval()
 
 

@@ -20,8 +20,8 @@ from sorl_verl.embedded.medical_world import (
     data_source,
     generate_medical_world,
     medical_records,
-    write_medical_world,
 )
+from sorl_verl.embedded.world import write_world
 from sorl_verl.rewards.score import compute_score
 
 SMALL = MedicalWorldConfig(seed=5, num_conditions=40, num_drugs=30, num_mechanisms=10, num_val_per_type=8,
@@ -51,10 +51,10 @@ def _all_questions(world) -> list[dict]:
 
 
 def test_same_seed_same_bytes_new_seed_new_world(tmp_path: Path) -> None:
-    a = _digest(write_medical_world(generate_medical_world(SMALL), tmp_path / "a"))
-    b = _digest(write_medical_world(generate_medical_world(SMALL), tmp_path / "b"))
+    a = _digest(write_world(generate_medical_world(SMALL), tmp_path / "a"))
+    b = _digest(write_world(generate_medical_world(SMALL), tmp_path / "b"))
     other = MedicalWorldConfig(**{**SMALL.__dict__, "seed": 6})
-    c = _digest(write_medical_world(generate_medical_world(other), tmp_path / "c"))
+    c = _digest(write_world(generate_medical_world(other), tmp_path / "c"))
     assert a == b
     assert set(a) == {"corpus", "train", "val", "test"}
     assert all(a[k] != c[k] for k in a)
@@ -85,6 +85,26 @@ def _check_answerable(world, q: dict) -> None:
 def test_every_question_is_answerable_from_its_passages(world) -> None:
     for q in _all_questions(world):
         _check_answerable(world, q)
+
+
+def test_twin_world_has_the_same_names_and_other_facts(world) -> None:
+    """A twin keeps every name of its source (per kind) but states other facts, and its questions stay answerable."""
+    twin = generate_medical_world(MedicalWorldConfig(**{**SMALL.__dict__, "seed": 99}), twin_of=world)
+    for kind in ("condition", "finding", "drug", "mechanism"):
+        names = {e.name for e in world.entities.values() if e.kind == kind}
+        assert {e.name for e in twin.entities.values() if e.kind == kind} == names
+
+    def stated(w) -> list[tuple[str, str, str]]:  # (subject, relation, object) by name, as passages state them
+        return [(e.name, rel, w.entities[v].name if v in w.entities else v)
+                for e in w.entities.values() for rel, v in e.facts.items()]  # fmt: skip
+
+    facts, twin_facts = set(stated(world)), stated(twin)
+    # same names, facts re-drawn: a fact holds in both worlds about as often as chance allows (organs: 1 in 10)
+    assert sum(f in facts for f in twin_facts) < 0.2 * len(twin_facts)
+    for q in _all_questions(twin):
+        _check_answerable(twin, q)
+    with pytest.raises(ValueError, match="as many conditions"):
+        generate_medical_world(MedicalWorldConfig(**{**SMALL.__dict__, "num_conditions": 41}), twin_of=world)
 
 
 def test_exactly_one_correct_option_and_distractors_from_the_world(world) -> None:
@@ -184,7 +204,7 @@ def test_rows_are_mcq_records_scored_by_the_project_reward(world) -> None:
 def test_world_files_read_by_the_medqa_converter_give_the_same_rows(world, tmp_path: Path) -> None:
     from sorl_verl.data.convert import convert_rows
 
-    paths = write_medical_world(world, tmp_path)
+    paths = write_world(world, tmp_path)
     converted = convert_rows("medqa", paths["val"], "val")
     ours = medical_records(world.questions["val"], "val")
     assert len(converted) == len(ours)

@@ -10,14 +10,14 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from sorl_verl.cpu.hf_engine import HFGenerationEngine, SamplingOptions, _top_k_top_p
-from sorl_verl.cpu.hf_tiny_model import build_tiny_qwen2
+from sorl_verl.embedded.tiny_model import write_random_model
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33], [40, 41], [50, 51, 52, 53, 54], [60], [70, 71]]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+    return write_random_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 @pytest.fixture(scope="module")

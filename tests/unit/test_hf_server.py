@@ -9,14 +9,14 @@ from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode
 
 from sorl_verl.cpu.hf_rollout import HFServer, server_actor_name
-from sorl_verl.cpu.hf_tiny_model import build_tiny_qwen2
+from sorl_verl.embedded.tiny_model import write_random_model
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+    return write_random_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
 def rollout_config(**overrides) -> RolloutConfig:

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from sorl_verl.agent.prompts import qa_prompt
-from sorl_verl.data.synthetic_world import CHAINS, generate_world, questions_to_parquet, read_jsonl, write_world
+from sorl_verl.embedded.qa_world import CHAINS, generate_world, questions_to_parquet
+from sorl_verl.embedded.world import read_jsonl, write_world
 
 
 def _digest(paths: dict[str, Path]) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sorl_verl.agent import prompts
-from sorl_verl.data.synthetic_world import generate_world
-from sorl_verl.data.tiny_tokenizer import ASSISTANT, EOS, PAD, TAG_TOKENS, USER, train_tokenizer
+from sorl_verl.embedded.qa_world import generate_world
+from sorl_verl.embedded.tokenizer import ASSISTANT, EOS, PAD, TAG_TOKENS, USER, train_tokenizer
 
 
 @pytest.fixture(scope="module")

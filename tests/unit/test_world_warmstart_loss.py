@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from sorl_verl.data.warmstart import _batch, _length_bucketed_batches, masked_nll
+from sorl_verl.embedded.warmstart import _batch, _length_bucketed_batches, masked_nll
 
 
 class _FixedLogits(torch.nn.Module):

@@ -1,6 +1,11 @@
-"""A small byte-level BPE tokenizer trained locally, saved as a Hugging Face fast tokenizer.
+"""Small byte-level BPE tokenizers trained locally (no download), as Hugging Face fast tokenizers.
 
-Normalizer and pre-tokenizer are Qwen2's (NFC; digits split one by one), because transformers
+:func:`train_tokenizer` is the embedded default's tokenizer (below); :func:`smoke_tokenizer` is a
+320-token one trained on a few fixed sentences, with ``<pad>``=0, ``<unk>``=1, ``<eos>``=2, for
+tests and smoke runs of the rollout engines on a random tiny model
+(:func:`sorl_verl.embedded.tiny_model.write_random_model`).
+
+The embedded default's tokenizer: normalizer and pre-tokenizer are Qwen2's (NFC; digits split one by one), because transformers
 loads the tokenizer files of a ``qwen2`` model directory as ``Qwen2Tokenizer`` whatever
 ``tokenizer_config.json`` says, and that class re-imposes them: training with the same
 pre-tokenization makes the tokenizer directory and the model directory encode identically.
@@ -27,8 +32,14 @@ PAD, EOS = "<|pad|>", "<|im_end|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = (PAD, EOS, SYSTEM, USER, ASSISTANT)
 TAG_TOKENS = (
-    prompts.THINK_OPEN, prompts.THINK_CLOSE, prompts.SEARCH_OPEN, prompts.SEARCH_CLOSE,
-    prompts.INFO_OPEN, prompts.INFO_CLOSE, prompts.ANSWER_OPEN, prompts.ANSWER_CLOSE,
+    prompts.THINK_OPEN,
+    prompts.THINK_CLOSE,
+    prompts.SEARCH_OPEN,
+    prompts.SEARCH_CLOSE,
+    prompts.INFO_OPEN,
+    prompts.INFO_CLOSE,
+    prompts.ANSWER_OPEN,
+    prompts.ANSWER_CLOSE,
 )
 PHRASE_TOKENS = (prompts.QA_INSTRUCTION, prompts.MCQ_INSTRUCTION)
 
@@ -79,3 +90,31 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
     return fast
+
+
+SMOKE_CORPUS = (
+    "the cat sat on the mat and looked at the dog",
+    "a dog ran in the park with a red ball",
+    "<search> who wrote the book </search>",
+    "<information> the book was written by ana </information>",
+    "<answer> paris </answer>",
+    "question: what is the capital of france? answer: paris",
+)
+SMOKE_SPECIAL_TOKENS = ("<pad>", "<unk>", "<eos>")
+
+
+def smoke_tokenizer(corpus: tuple[str, ...] = SMOKE_CORPUS, vocab_size: int = 320):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with ``<pad>``=0, ``<unk>``=1, ``<eos>``=2 (not saved)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SMOKE_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(list(corpus), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")

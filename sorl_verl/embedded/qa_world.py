@@ -13,16 +13,22 @@ part of another), and the generator is deterministic: same arguments -> same byt
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ONSETS = ("b", "d", "dr", "f", "g", "k", "kr", "l", "m", "n", "p", "r", "s", "t", "th", "v", "vr", "z", "zh", "q")
-VOWELS = ("a", "e", "i", "o", "u", "ae", "ou", "y")
-CODAS = ("", "", "n", "r", "l", "s", "th", "x", "m", "rk")
+from sorl_verl.embedded.world import (
+    Entity,
+    EntityRegistry,
+    KnowledgeWorld,
+    NameMaker,
+    follow,
+    index_passages,
+    rows_to_parquet,
+    search_extra,
+)
 
 OCCUPATIONS = ("painter", "engineer", "poet", "chemist", "sculptor", "merchant", "architect", "botanist")
 COMPANY_SUFFIXES = ("Works", "Industries", "Group", "Labs", "Foundry", "Traders")
@@ -48,15 +54,16 @@ RELATIONS: dict[str, Relation] = {
         Relation("birth_year", "person", "year", "In what year was {x} born?", "the birth year of {x}"),
         Relation("employer", "person", "company", "Which company does {x} work for?", "the employer of {x}"),
         Relation("founder", "company", "person", "Who founded {x}?", "the founder of {x}"),
-        Relation("headquarters", "company", "city", "In which city is {x} headquartered?",
-                 "the headquarters city of {x}"),
-        Relation("company_year", "company", "year", "In what year was {x} founded?",
-                 "the founding year of {x}"),
+        Relation(
+            "headquarters", "company", "city", "In which city is {x} headquartered?", "the headquarters city of {x}"
+        ),
+        Relation("company_year", "company", "year", "In what year was {x} founded?", "the founding year of {x}"),
         Relation("country", "city", "country", "In which country is {x}?", "the country of {x}"),
         Relation("city_year", "city", "year", "In what year was {x} founded?", "the founding year of {x}"),
         Relation("capital", "country", "city", "What is the capital of {x}?", "the capital of {x}"),
-        Relation("flows_through", "river", "city", "Which city does {x} flow through?",
-                 "the city that {x} flows through"),
+        Relation(
+            "flows_through", "river", "city", "Which city does {x} flow through?", "the city that {x} flows through"
+        ),
     )
 }
 
@@ -97,47 +104,10 @@ CHAINS: dict[int, tuple[tuple[str, ...], ...]] = {
 
 
 @dataclass
-class Entity:
-    """One fictional entity; ``facts`` maps relation name -> entity key or attribute value."""
+class World(KnowledgeWorld):
+    """The QA world of ``seed``: entities, their passages and the questions asked about them."""
 
-    key: str
-    kind: str
-    name: str
-    facts: dict[str, str] = field(default_factory=dict)
-    doc_id: str = ""
-
-
-@dataclass
-class World:
-    """Entities, their passages and the questions asked about them."""
-
-    seed: int
-    entities: dict[str, Entity]
-    corpus: list[dict[str, str]]
-    questions: dict[str, list[dict[str, Any]]]  # split -> question records
-
-    def passage(self, doc_id: str) -> str:
-        """``contents`` of one corpus passage (doc ids are corpus positions)."""
-        doc = self.corpus[int(doc_id)]
-        assert doc["id"] == doc_id
-        return doc["contents"]
-
-
-class _NameMaker:
-    """Unique syllable names; no generated word repeats anywhere in the world."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-        self.words: set[str] = set()
-
-    def word(self, syllables: int, suffix: str = "") -> str:
-        for _ in range(10_000):
-            parts = [self.rng.choice(ONSETS) + self.rng.choice(VOWELS) for _ in range(syllables)]
-            w = ("".join(parts) + self.rng.choice(CODAS) + suffix).capitalize()
-            if w.lower() not in self.words and len(w) >= 4:
-                self.words.add(w.lower())
-                return w
-        raise RuntimeError("name space exhausted; use fewer entities")
+    seed: int = 0
 
 
 def _passage_text(e: Entity, ents: dict[str, Entity]) -> str:
@@ -149,11 +119,15 @@ def _passage_text(e: Entity, ents: dict[str, Entity]) -> str:
 
     if e.kind == "person":
         article = "an" if f["occupation"][0] in "aeiou" else "a"
-        return (f"{e.name} is {article} {f['occupation']} born in {f['birth_year']} in {n('birthplace')}. "
-                f"{e.name} works for {n('employer')}.")
+        return (
+            f"{e.name} is {article} {f['occupation']} born in {f['birth_year']} in {n('birthplace')}. "
+            f"{e.name} works for {n('employer')}."
+        )
     if e.kind == "company":
-        return (f"{e.name} is a company founded in {f['company_year']} by {n('founder')}. "
-                f"{e.name} is headquartered in {n('headquarters')}.")
+        return (
+            f"{e.name} is a company founded in {f['company_year']} by {n('founder')}. "
+            f"{e.name} is headquartered in {n('headquarters')}."
+        )
     if e.kind == "city":
         return f"{e.name} is a city in {n('country')}, founded in {f['city_year']}."
     if e.kind == "country":
@@ -173,14 +147,7 @@ def _question_text(chain: Sequence[str], subject: str) -> str:
 
 def _follow(ents: dict[str, Entity], start: str, chain: Sequence[str]) -> tuple[list[Entity], str]:
     """Entities visited (one per hop) and the final answer string."""
-    visited, cur = [], ents[start]
-    for rel in chain:
-        visited.append(cur)
-        val = cur.facts[rel]
-        if RELATIONS[rel].obj == "year":
-            return visited, val
-        cur = ents[val]
-    return visited, cur.name
+    return follow(ents, start, chain, lambda rel: RELATIONS[rel].obj == "year")
 
 
 def _degenerate(ents: dict[str, Entity], start: str, chain: Sequence[str]) -> bool:
@@ -205,7 +172,7 @@ def generate_world(
     if num_entities < 8:
         raise ValueError("num_entities must be >= 8")
     rng = random.Random(seed)
-    names = _NameMaker(rng)
+    names = NameMaker(rng, min_length=4, coda_and_suffix=True)
     counts = {
         "country": max(2, num_entities // 20),
         "city": max(4, num_entities // 4),
@@ -213,19 +180,14 @@ def generate_world(
         "river": max(2, num_entities // 10),
         "person": num_entities,
     }
-    ents: dict[str, Entity] = {}
-
-    def make(kind: str, i: int, name: str) -> Entity:
-        e = Entity(key=f"{kind}{i}", kind=kind, name=name)
-        ents[e.key] = e
-        return e
-
-    countries = [make("country", i, names.word(2, rng.choice(COUNTRY_SUFFIXES))) for i in range(counts["country"])]
-    cities = [make("city", i, names.word(1, rng.choice(CITY_SUFFIXES))) for i in range(counts["city"])]
-    people = [make("person", i, f"{names.word(2)} {names.word(2)}") for i in range(counts["person"])]
-    companies = [make("company", i, f"{names.word(2)} {rng.choice(COMPANY_SUFFIXES)}")
-                 for i in range(counts["company"])]
-    rivers = [make("river", i, f"{names.word(2)} River") for i in range(counts["river"])]
+    ents = EntityRegistry()
+    countries = [ents.make("country", i, names.word(2, rng.choice(COUNTRY_SUFFIXES))) for i in range(counts["country"])]
+    cities = [ents.make("city", i, names.word(1, rng.choice(CITY_SUFFIXES))) for i in range(counts["city"])]
+    people = [ents.make("person", i, f"{names.word(2)} {names.word(2)}") for i in range(counts["person"])]
+    companies = [
+        ents.make("company", i, f"{names.word(2)} {rng.choice(COMPANY_SUFFIXES)}") for i in range(counts["company"])
+    ]
+    rivers = [ents.make("river", i, f"{names.word(2)} River") for i in range(counts["river"])]
 
     for i, c in enumerate(cities):  # every country gets at least one city
         c.facts["country"] = countries[i].key if i < len(countries) else rng.choice(countries).key
@@ -246,10 +208,7 @@ def generate_world(
 
     order = countries + cities + people + companies + rivers
     rng.shuffle(order)
-    corpus = []
-    for i, e in enumerate(order):
-        e.doc_id = str(i)
-        corpus.append({"id": e.doc_id, "contents": f'"{e.name}"\n{_passage_text(e, ents)}'})
+    corpus = index_passages(order, lambda e: _passage_text(e, ents))
 
     splits: dict[str, list[dict[str, Any]]] = {"train": [], "val": [], "test": []}
     for hops, chains in CHAINS.items():
@@ -259,64 +218,34 @@ def generate_world(
         rng.shuffle(cands)
         n_val = min(num_val_per_hop, len(cands) // 4)
         n_test = min(num_test_per_hop, len(cands) // 4)
-        parts = {"val": cands[:n_val], "test": cands[n_val:n_val + n_test],
-                 "train": cands[n_val + n_test:n_val + n_test + max_train_per_hop]}
+        parts = {
+            "val": cands[:n_val],
+            "test": cands[n_val : n_val + n_test],
+            "train": cands[n_val + n_test : n_val + n_test + max_train_per_hop],
+        }
         for split, items in parts.items():
             for chain, key in items:
                 visited, answer = _follow(ents, key, chain)
-                splits[split].append({
-                    "id": f"w{seed}-{split}-{hops}hop-{len(splits[split])}",
-                    "question": _question_text(chain, ents[key].name),
-                    "golden_answers": [answer],
-                    "hops": hops,
-                    "chain": list(chain),
-                    "support_ids": [v.doc_id for v in visited],
-                    "hop_queries": [v.name for v in visited],
-                })
+                splits[split].append(
+                    {
+                        "id": f"w{seed}-{split}-{hops}hop-{len(splits[split])}",
+                        "question": _question_text(chain, ents[key].name),
+                        "golden_answers": [answer],
+                        "hops": hops,
+                        "chain": list(chain),
+                        "support_ids": [v.doc_id for v in visited],
+                        "hop_queries": [v.name for v in visited],
+                    }
+                )
     for split in splits:
         rng.shuffle(splits[split])
-    return World(seed=seed, entities=ents, corpus=corpus, questions=splits)
-
-
-def _write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines file."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_world(world: World, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``corpus.jsonl`` and ``{train,val,test}.jsonl``; returns name -> path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"corpus": out / "corpus.jsonl"}
-    _write_jsonl(world.corpus, paths["corpus"])
-    for split, rows in world.questions.items():
-        paths[split] = out / f"{split}.jsonl"
-        _write_jsonl(rows, paths[split])
-    return paths
+    return World(entities=ents, corpus=corpus, questions=splits, seed=seed)
 
 
 def questions_to_parquet(questions: Sequence[dict[str, Any]], out_path: str | Path, split: str) -> Path:
     """verl parquet of the questions (``data_source`` = ``synthetic_{k}hop``) via ``qa_record``."""
-    import pandas as pd
-
     from sorl_verl.data.records import qa_record
 
-    rows = [
-        qa_record(
-            q["question"], q["golden_answers"], f"synthetic_{q['hops']}hop", split, i,
-            extra={"id": q["id"], "hops": q["hops"], "support_ids": list(q["support_ids"]),
-                   "hop_queries": list(q["hop_queries"])},
-        )
-        for i, q in enumerate(questions)
-    ]
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_parquet(out, index=False)
-    return out
+    rows = [qa_record(q["question"], q["golden_answers"], f"synthetic_{q['hops']}hop", split, i, extra=search_extra(q))
+            for i, q in enumerate(questions)]  # fmt: skip
+    return rows_to_parquet(rows, out_path)

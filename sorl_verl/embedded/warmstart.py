@@ -1,28 +1,29 @@
-"""Supervised warm-start on scripted expert search trajectories, and a greedy evaluation loop.
+"""Supervised warm-start on scripted expert search trajectories, and the rollout evaluation loop.
 
-An expert trajectory for a k-hop question is, after the chat-templated prompt::
+An expert trajectory of a question with ``hop_queries`` ``E0 .. E(k-1)`` over the relation chain
+``R0 .. R(k-1)`` is, after the chat-templated prompt (:func:`expert_search_segments`)::
 
-    <think> I need to search E0. </think>\\n<search> E0 </search>   + information_block(top-3 of E0)
-    <think> The R0 of E0 is E1. </think>\\n<search> E1 </search>     + information_block(top-3 of E1)
+    <think> I need to search E0. </think>\n<search> E0 </search>   + information_block(top-k of E0)
+    <think> {fact R0 of E0: E1} </think>\n<search> E1 </search>     + information_block(top-k of E1)
     ...
-    <think> The R(k-1) of E(k-1) is A. </think>\\n<answer> A </answer><|im_end|>
+    <think> {conclusion} </think>\n<answer> {answer} </answer><|im_end|>
 
-where ``Ei`` are the question's ``hop_queries`` and the observations come from the real
-retriever. Policy segments have loss mask 1; prompt and observations 0, as in RL. The SFT loss
-is the mean token cross-entropy over mask-1 tokens.
+where each world states its facts in its own words (:mod:`sorl_verl.embedded.qa_trajectories`,
+:mod:`sorl_verl.embedded.medical_trajectories`) and the observations come from the real
+retriever (:func:`make_observer`). Policy segments have loss mask 1; prompt and observations 0,
+as in RL. The SFT loss is the mean token cross-entropy over mask-1 tokens.
 
-The evaluation loop generates greedily with stop tokens ``</search>`` / ``</answer>`` / EOS,
-runs each search through the same observer, appends the observation, and scores the finished
-response with :func:`sorl_verl.rewards.score.compute_score` (exact match).
+The evaluation loop (:func:`greedy_rollouts`) generates with stop tokens ``</search>`` /
+``</answer>`` / EOS, runs each search through the same observer and appends the observation.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sorl_verl.agent.prompts import (
@@ -35,28 +36,44 @@ from sorl_verl.agent.prompts import (
     information_block,
     qa_prompt,
 )
-from sorl_verl.data.synthetic_world import RELATIONS
 
 #: queries -> observation text per query (already formatted like the retrieval client does)
 Observer = Callable[[list[str]], list[str]]
+#: ``fact(relation, subject, value)`` -> the sentence a thought states about one hop
+FactFn = Callable[[str, str, str], str]
+#: top-k passages per search in the warm-start and its evaluation
+TOPK = 3
 
 
-def _fact(rel: str, subject: str, value: str) -> str:
-    phrase = RELATIONS[rel].phrase.format(x=subject)
-    return f"{phrase[0].upper()}{phrase[1:]} is {value}."
+def make_observer(index_dir: str | Path, topk: int = TOPK) -> Observer:
+    """In-process retrieval giving exactly the observation text the retrieval client produces."""
+    from sorl_verl.retrieval.client import format_documents
+    from sorl_verl.retrieval.index import load_searcher
+
+    searcher = load_searcher(index_dir)
+
+    def observe(queries: list[str]) -> list[str]:
+        return [format_documents(hits) for hits in searcher.search(list(queries), topk)] if queries else []
+
+    return observe
 
 
-def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
-    """The scripted response as ``(text, is_policy)`` segments (EOS not included)."""
-    hops, chain, answer = question["hop_queries"], question["chain"], question["golden_answers"][0]
+def expert_search_segments(
+    question: dict[str, Any], fact: FactFn, observe: Observer, conclusion: str, answer: str
+) -> list[tuple[str, bool]]:
+    """The scripted response of a question record as ``(text, is_policy)`` segments (EOS not included).
+
+    One search per ``question["hop_queries"]``; the thought before hop i > 0 states the fact of hop i-1
+    (``fact(chain[i-1], hop_queries[i-1], hop_queries[i])``); the last thought is ``conclusion``.
+    """
+    hops, chain = question["hop_queries"], question["chain"]
     observations = observe(list(hops))
     segs: list[tuple[str, bool]] = []
     for i, query in enumerate(hops):
-        thought = f"I need to search {query}." if i == 0 else _fact(chain[i - 1], hops[i - 1], query)
+        thought = f"I need to search {query}." if i == 0 else fact(chain[i - 1], hops[i - 1], query)
         segs.append((f"{THINK_OPEN} {thought} {THINK_CLOSE}\n{SEARCH_OPEN} {query} {SEARCH_CLOSE}", True))
         segs.append((information_block(observations[i]), False))
-    segs.append((f"{THINK_OPEN} {_fact(chain[-1], hops[-1], answer)} {THINK_CLOSE}\n{ANSWER_OPEN} {answer} {ANSWER_CLOSE}",
-                 True))
+    segs.append((f"{THINK_OPEN} {conclusion} {THINK_CLOSE}\n{ANSWER_OPEN} {answer} {ANSWER_CLOSE}", True))
     return segs
 
 
@@ -66,13 +83,15 @@ def prompt_ids(tokenizer, question: str, prompt: str | None = None) -> list[int]
     The user message is ``prompt`` when given (e.g. a multiple-choice prompt), else ``qa_prompt(question)``.
     """
     content = qa_prompt(question) if prompt is None else prompt
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_trajectory(tokenizer, question: str, segments: Sequence[tuple[str, bool]],
-                        prompt: str | None = None) -> tuple[list[int], list[int]]:
+def tokenize_trajectory(
+    tokenizer, question: str, segments: Sequence[tuple[str, bool]], prompt: str | None = None
+) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)``: each segment encoded on its own (as the agent loop does), EOS last.
 
     ``prompt``: the user message, as in :func:`prompt_ids`.
@@ -88,15 +107,23 @@ def tokenize_trajectory(tokenizer, question: str, segments: Sequence[tuple[str, 
     return ids, mask
 
 
-def build_sft_examples(tokenizer, questions: Sequence[dict[str, Any]], observe: Observer,
-                       progress: bool = True) -> list[tuple[list[int], list[int]]]:
-    """Expert trajectories for ``questions``, tokenized."""
+def build_sft_examples(
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    segments_of: Callable[[dict[str, Any]], list[tuple[str, bool]]],
+    prompt_of: Callable[[dict[str, Any]], str] | None = None,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, loss_mask)`` of each question's expert response ``segments_of(q)`` after its prompt.
+
+    ``prompt_of(q)``: the user message (default ``qa_prompt(q["question"])``), as in :func:`prompt_ids`.
+    """
     from tqdm.auto import tqdm
 
-    out = []
-    for q in tqdm(questions, desc="expert trajectories", disable=not progress, mininterval=2):
-        out.append(tokenize_trajectory(tokenizer, q["question"], expert_segments(q, observe)))
-    return out
+    return [
+        tokenize_trajectory(tokenizer, q["question"], segments_of(q), prompt=prompt_of(q) if prompt_of else None)
+        for q in tqdm(questions, desc="expert trajectories", disable=not progress, mininterval=2)
+    ]
 
 
 @dataclass(frozen=True)
@@ -127,15 +154,16 @@ def _batch(examples: Sequence[tuple[list[int], list[int]]], pad_id: int):
     return ids, attn, mask
 
 
-def _length_bucketed_batches(lengths: Sequence[int], batch_size: int, rng: random.Random,
-                             bucket_batches: int = 8) -> list[list[int]]:
+def _length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, rng: random.Random, bucket_batches: int = 8
+) -> list[list[int]]:
     """One epoch of batches: shuffle, sort windows of ``bucket_batches`` batches by length, shuffle batches."""
     order = rng.sample(range(len(lengths)), len(lengths))
     window = batch_size * bucket_batches
     batches = []
     for start in range(0, len(order), window):
-        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
-        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[start : start + window], key=lambda i: lengths[i])
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return [b for b in batches if len(b) == batch_size] or batches
 
@@ -150,8 +178,13 @@ def masked_nll(model, ids, attn, mask):
     return (nll * m).sum() / m.sum().clamp_min(1.0)
 
 
-def train_sft(model, examples: Sequence[tuple[list[int], list[int]]], pad_id: int, cfg: SFTConfig = SFTConfig(),
-              progress: bool = True) -> list[float]:
+def train_sft(
+    model,
+    examples: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    cfg: SFTConfig = SFTConfig(),
+    progress: bool = True,
+) -> list[float]:
     """AdamW with linear warm-up and cosine decay; returns the loss of every step."""
     import torch
     from tqdm.auto import tqdm
@@ -218,10 +251,19 @@ def hf_greedy_generate(model, tokenizer, max_tokens_per_turn: int = 48, temperat
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
         attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         with torch.no_grad():
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+            sampling = (
+                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+                if temperature > 0
                 else {"do_sample": False}
-            out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens_per_turn,
-                                 eos_token_id=sorted(stops), pad_token_id=pad, **sampling)
+            )
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=max_tokens_per_turn,
+                eos_token_id=sorted(stops),
+                pad_token_id=pad,
+                **sampling,
+            )
         return [_cut_at_stop(out[row, width:].tolist(), stops, pad) for row in range(len(rows))]
 
     return generate
@@ -231,10 +273,19 @@ def _stop_ids(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids([SEARCH_CLOSE, ANSWER_CLOSE])}
 
 
-def greedy_rollouts(model, tokenizer, questions: Sequence[dict[str, Any]], observe: Observer, max_turns: int = 4,
-                    max_tokens_per_turn: int = 48, max_response_tokens: int = 512, batch_size: int = 64,
-                    generate: GenerateFn | None = None, temperature: float = 0.0,
-                    prompt_of: Callable[[dict[str, Any]], str] | None = None) -> list[str]:
+def greedy_rollouts(
+    model,
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    observe: Observer,
+    max_turns: int = 4,
+    max_tokens_per_turn: int = 48,
+    max_response_tokens: int = 512,
+    batch_size: int = 64,
+    generate: GenerateFn | None = None,
+    temperature: float = 0.0,
+    prompt_of: Callable[[dict[str, Any]], str] | None = None,
+) -> list[str]:
     """Multi-turn rollouts with retrieval in the loop; returns each decoded response.
 
     Each turn generates (``model`` greedy, or sampled at ``temperature``, unless ``generate`` is given); a turn ending in
@@ -246,7 +297,7 @@ def greedy_rollouts(model, tokenizer, questions: Sequence[dict[str, Any]], obser
     search_close = tokenizer.convert_tokens_to_ids(SEARCH_CLOSE)
     responses: list[str] = []
     for start in range(0, len(questions), batch_size):
-        chunk = questions[start:start + batch_size]
+        chunk = questions[start : start + batch_size]
         prompts = [prompt_ids(tokenizer, q["question"], prompt_of(q) if prompt_of else None) for q in chunk]
         resp: list[list[int]] = [[] for _ in chunk]
         active = list(range(len(chunk)))
@@ -270,28 +321,14 @@ def greedy_rollouts(model, tokenizer, questions: Sequence[dict[str, Any]], obser
     return responses
 
 
-def evaluate_em(model, tokenizer, questions: Sequence[dict[str, Any]], observe: Observer,
-                **rollout_kwargs: Any) -> dict[str, Any]:
-    """Greedy success rate: ``em`` overall and ``em_{k}hop`` per hop count, plus timing and samples."""
-    from sorl_verl.rewards.score import compute_score
-
-    t0 = time.perf_counter()
-    responses = greedy_rollouts(model, tokenizer, questions, observe, **rollout_kwargs)
-    scores = [compute_score(f"synthetic_{q['hops']}hop", r, {"target": q["golden_answers"]})["em"]
-              for q, r in zip(questions, responses, strict=True)]
-    result: dict[str, Any] = {"em": sum(scores) / max(1, len(scores)), "n": len(scores),
-                              "seconds": time.perf_counter() - t0}
-    for k in sorted({q["hops"] for q in questions}):
-        ks = [s for q, s in zip(questions, scores, strict=True) if q["hops"] == k]
-        result[f"em_{k}hop"] = sum(ks) / len(ks)
-        result[f"n_{k}hop"] = len(ks)
-    result["samples"] = [{"question": q["question"], "gold": q["golden_answers"], "response": r}
-                         for q, r in list(zip(questions, responses, strict=True))[:3]]
-    return result
-
-
-def warmstart_report(model: Any, examples: Sequence[tuple[list[int], list[int]]], t_data: float, t_train: float,
-                     losses: Sequence[float], evals: Any) -> dict[str, Any]:
+def warmstart_report(
+    model: Any,
+    examples: Sequence[tuple[list[int], list[int]]],
+    t_data: float,
+    t_train: float,
+    losses: Sequence[float],
+    evals: Any,
+) -> dict[str, Any]:
     """The ``warmstart.json`` record of a build: size, token-length quantiles, timings, losses, eval."""
     lens = sorted(len(ids) for ids, _ in examples)
     resp = sorted(len(m) - m.index(1) for _, m in examples)
