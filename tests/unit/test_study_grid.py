@@ -90,8 +90,15 @@ def test_algorithm_overrides_and_seed():
     for c in grid.cells:
         assert all(c.overrides[k] == str(c.seed) for k in grid.seed_keys)
         assert c.overrides["trainer.total_training_steps"] == "20"
-    lowlr = next(c for c in grid.cells if c.algorithm == "grpo_lowlr")
-    assert lowlr.unfilled == (f"{ACTOR}.optim.lr",) and lowlr.overrides[f"{ACTOR}.optim.lr"] == PLACEHOLDER
+    # grpo_lowlr: filled from the so_grpo cells where they ran (lr x mean step factor), placeholder elsewhere
+    lowlr = {c.regime: c for c in grid.cells if c.algorithm == "grpo_lowlr"}
+    filled = lowlr["many_updates"]
+    assert not filled.unfilled and float(filled.overrides[f"{ACTOR}.optim.lr"]) < 3.0e-4
+    assert all(
+        c.unfilled == (f"{ACTOR}.optim.lr",) and c.overrides[f"{ACTOR}.optim.lr"] == PLACEHOLDER
+        for r, c in lowlr.items()
+        if r != "many_updates"
+    )
 
 
 def test_smoke_grid_is_one_short_cell():
