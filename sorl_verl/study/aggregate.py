@@ -214,3 +214,42 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
             f"| {_spread(finals)} | {_spread(peaks)} | {wall} | {len(rs) - len(judged)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def runs_table(runs: Sequence[dict[str, Any]]) -> str:
+    """One row per run: validation scores at each validation, mean step factor, max clip fraction
+    (SORL's turn/token share, ``(sorl)``, where logged, else verl's ``pg_clipfrac``, ``(pg)``),
+    max ``ppo_kl``, verdict."""
+    lines = [
+        "| regime | algorithm | seed | validation score at each validation | mean step factor "
+        "| max clip fraction | max ppo_kl | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(runs, key=lambda r: (r["regime"], r["algorithm"], r["seed"])):
+        vals = " / ".join(_fmt(v, 2) for _, v in r["val_scores"]) or "-"
+        if r["max_sorl_clipfrac"] is not None:
+            clip_text = f"{_fmt(r['max_sorl_clipfrac'])} (sorl)"
+        elif r["max_pg_clipfrac"] is not None:
+            clip_text = f"{_fmt(r['max_pg_clipfrac'])} (pg)"
+        else:
+            clip_text = "-"
+        if not r["judged"]:
+            verdict = f"not judged ({r['reason']})"
+        elif r["collapsed"]:
+            onset = r["onset_step"]
+            verdict = "collapsed" + (f" (onset {onset})" if onset is not None else "")
+        else:
+            verdict = "held"
+        if r["exit_code"] not in (0, None):
+            verdict += f"; exit {r['exit_code']} at step {r['steps']}"
+        lines.append(
+            f"| {r['regime']} | {r['algorithm']} | {r['seed']} | {vals} | {_fmt(r['mean_update_scale'])} "
+            f"| {clip_text} "
+            f"| {_fmt(r['max_ppo_kl'])} | {verdict} |"
+        )
+    return "\n".join(lines) + "\n"
+

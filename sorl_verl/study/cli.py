@@ -10,8 +10,8 @@
 cells by key ``<regime>/<algorithm>/seed<k>``: a plain string is a substring of the key, a glob
 (``* ? [``) must match the whole key (``many_updates/grpo/*``). ``run`` takes the heavy-job lock
 per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study already runs
-under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png`` and
-``stability_table.md`` (names from ``--name``) into ``--results`` (default: the repository's
+under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png``,
+``stability_table.md`` and the per-run ``stability_runs.md`` (names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``.
 A finished cell whose overrides the grid has changed since is ``changed``: ``run`` skips it
 (``--rerun-changed`` re-runs it), ``status`` names the keys, ``aggregate`` warns and records them.
@@ -170,7 +170,7 @@ def _status_reason(state: str, rec: dict, cell, changed: list[str]) -> str:
 
 
 def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
-    from sorl_verl.study.aggregate import collect, markdown_table, stability, write_stability
+    from sorl_verl.study.aggregate import collect, markdown_table, runs_table, stability, write_stability
     from sorl_verl.study.runner import changed_keys
 
     out = _out_dir(grid, a.out)
@@ -201,6 +201,7 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     path = write_stability(data, results / f"{a.name}.json")
     table = markdown_table(data["runs"])
     (results / f"{a.name}_table.md").write_text(table)
+    (results / f"{a.name}_runs.md").write_text(runs_table(data["runs"]))
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:

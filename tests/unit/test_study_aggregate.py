@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sorl_verl.study import cli
-from sorl_verl.study.aggregate import collect, lr_match, markdown_table, stability, write_stability
+from sorl_verl.study.aggregate import collect, lr_match, markdown_table, runs_table, stability, write_stability
 from sorl_verl.study.collapse import CRITERION
 from sorl_verl.study.grid import load_grid
 from sorl_verl.study.runner import write_record
@@ -120,6 +120,17 @@ def test_markdown_table(study):
     assert "| 0/0 | - | - | 30 | 1 |" in rows[("hot", "gspo")]
 
 
+def test_runs_table_one_row_per_run(study):
+    data = stability(collect(study), "t", "cmd")
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in runs_table(data["runs"]).splitlines()[2:]}
+    assert len(rows) == 5
+    g1 = [c.strip() for c in rows[("hot", "grpo", "1")].split("|")[4:9]]
+    assert g1[0] == "0.60 / 0.30 / 0.10" and g1[1] == "-" and g1[4] == "collapsed (onset 4)"
+    so = [c.strip() for c in rows[("hot", "so_grpo", "2")].split("|")[4:9]]
+    assert so[1:3] == ["0.500", "0.200 (sorl)"] and so[4] == "held"
+    assert "not judged" in rows[("hot", "gspo", "1")] and "exit 1" in rows[("hot", "gspo", "1")]
+
+
 def test_update_scale_logged_wins_over_one_over_z():
     runs = [
         {"algorithm": "so_grpo", "regime": "r", "lr": 1e-3, "mean_update_scale": 0.8},
@@ -166,6 +177,7 @@ def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, capsys):
         "hot/ppo/seed2",
     ]
     assert (res / "stability_table.md").read_text() in printed
+    assert (res / "stability_runs.md").read_text().count("\n| hot |") == 5
     png = res / "stability_hot.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     # --only restricts the runs
