@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
+import runpy
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("group_signal", REPO / "scripts" / "group_signal.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-informative_share = load().informative_share
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "group_signal.py"
+informative_share = runpy.run_path(str(SCRIPT))["informative_share"]
 
 
 @given(n=st.integers(2, 9), data=st.data())
