@@ -30,6 +30,7 @@ from sorl_verl.embedded.steps import (
     EmbeddedPaths,
     build_bm25_step,
     build_lock,
+    build_tokenizer_step,
     log,
     record_build,
     run_step,
@@ -199,14 +200,13 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
     index_stamp = step("index", paths.index_dir, {"world": world_stamp}, build_bm25_step(paths.corpus, progress))
 
-    def build_tokenizer(tmp: Path) -> None:
+    def prompts() -> list[str]:
         from sorl_verl.embedded.medical_trajectories import user_message
-        from sorl_verl.embedded.tokenizer import train_tokenizer
 
-        texts = [d["contents"] for d in read_jsonl(paths.corpus)] + [user_message(q) for q in questions["train"]]
-        train_tokenizer(texts, tmp, vocab_size=cfg.vocab_size)
+        return [user_message(q) for q in questions["train"]]
 
-    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size}, build_tokenizer)
+    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size},
+                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size))  # fmt: skip
 
     def build_model(tmp: Path) -> None:
         with torch_threads(cfg.num_threads):

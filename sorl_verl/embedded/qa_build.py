@@ -27,6 +27,7 @@ from typing import Any
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
     build_bm25_step,
+    build_tokenizer_step,
     log,
     record_build,
     run_step,
@@ -105,15 +106,13 @@ def ensure_embedded_default(
     step("data", root / "data", {"world": world_stamp}, build_data)
     index_stamp = step("index", paths.index_dir, {"world": world_stamp}, build_bm25_step(paths.corpus, progress))
 
-    def build_tokenizer(tmp: Path) -> None:
+    def prompts() -> list[str]:
         from sorl_verl.agent.prompts import qa_prompt
-        from sorl_verl.embedded.tokenizer import train_tokenizer
 
-        corpus = read_jsonl(paths.corpus)
-        texts = [d["contents"] for d in corpus] + [qa_prompt(q["question"]) for q in questions["train"]]
-        train_tokenizer(texts, tmp, vocab_size=cfg.vocab_size)
+        return [qa_prompt(q["question"]) for q in questions["train"]]
 
-    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size}, build_tokenizer)
+    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size},
+                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size))  # fmt: skip
 
     def build_model(tmp: Path) -> None:
         with torch_threads(cfg.num_threads):

@@ -123,6 +123,19 @@ def build_bm25_step(corpus: Path, progress: bool) -> Callable[[Path], None]:
     return build
 
 
+def build_tokenizer_step(corpus: Path, prompts: Callable[[], list[str]], vocab_size: int) -> Callable[[Path], None]:
+    """A step that trains the tiny BPE tokenizer on the passages of ``corpus`` followed by ``prompts()``."""
+
+    def build(tmp: Path) -> None:
+        from sorl_verl.embedded.tokenizer import train_tokenizer
+        from sorl_verl.embedded.world import read_jsonl
+
+        texts = [d["contents"] for d in read_jsonl(corpus)] + prompts()
+        train_tokenizer(texts, tmp, vocab_size=vocab_size)
+
+    return build
+
+
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """``torch.set_num_threads(n)`` for the duration (1 is fastest on a shared 2-core machine)."""
