@@ -56,6 +56,8 @@ class EmbeddedConfig:
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
     sft: SFTConfig = field(default_factory=SFTConfig)
     sft_max_hops: int = 2
+    #: share of multi-hop demonstrations that stop after the first search (qa_trajectories.early_stop_segments)
+    early_stop_rate: float = 0.0
     eval_per_hop: int = 100
     eval_hops: tuple[int, ...] = (1, 2)
     topk: int = TOPK
@@ -120,7 +122,7 @@ def ensure_embedded_default(
 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
-          "max_hops": cfg.sft_max_hops, "eval": [cfg.eval_per_hop, list(cfg.eval_hops)], "topk": cfg.topk},
+          "max_hops": cfg.sft_max_hops, **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {}), "eval": [cfg.eval_per_hop, list(cfg.eval_hops)], "topk": cfg.topk},
          build_model)  # fmt: skip
     record_build(paths, timings)
     return paths
@@ -139,7 +141,7 @@ def _warm_start(
     observe = make_observer(paths.index_dir, cfg.topk)
     t0 = time.perf_counter()
     examples = build_qa_sft_examples(tok, [q for q in questions["train"] if q["hops"] <= cfg.sft_max_hops], observe,
-                                     progress=progress)  # fmt: skip
+                                     progress=progress, early_stop_rate=cfg.early_stop_rate, seed=cfg.seed)  # fmt: skip
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.seed)
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ thoughts ``The R(i) of E(i) is E(i+1).`` and the answer string in ``<answer>``::
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +30,37 @@ def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[s
     return expert_search_segments(question, _fact, observe, _fact(chain[-1], hops[-1], answer), answer)
 
 
+def early_stop_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
+    """One search, then the fact it found as conclusion and its value (the bridge entity) as answer."""
+    hops, chain = question["hop_queries"], question["chain"]
+    if len(hops) < 2:
+        raise ValueError(f"early stopping needs a multi-hop question, got {len(hops)} hop(s): {question['id']}")
+    return expert_search_segments({**question, "hop_queries": hops[:1], "chain": chain[:1]}, _fact, observe,
+                                  _fact(chain[0], hops[0], hops[1]), hops[1])  # fmt: skip
+
+
+def stops_early(question: dict[str, Any], rate: float, seed: int = 0) -> bool:
+    """Whether the demonstration of ``question`` stops early: a draw with probability ``rate`` per id."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"early_stop_rate must be in [0, 1], got {rate}")
+    return len(question["hop_queries"]) > 1 and random.Random(f"{seed}:{question['id']}").random() < rate
+
+
 def build_qa_sft_examples(
-    tokenizer, questions: Sequence[dict[str, Any]], observe: Observer, progress: bool = True
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    observe: Observer,
+    progress: bool = True,
+    early_stop_rate: float = 0.0,
+    seed: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
-    """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
-    return build_sft_examples(tokenizer, questions, lambda q: expert_segments(q, observe), progress=progress)
+    """Demonstrations of ``questions``, tokenized as ``(input_ids, loss_mask)``: the expert's, or with
+    probability ``early_stop_rate`` per multi-hop question the early-stopping one."""
+
+    def segments(q: dict[str, Any]) -> list[tuple[str, bool]]:
+        return early_stop_segments(q, observe) if stops_early(q, early_stop_rate, seed) else expert_segments(q, observe)
+
+    return build_sft_examples(tokenizer, questions, segments, progress=progress)
 
 
 def evaluate_em(

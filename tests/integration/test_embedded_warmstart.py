@@ -8,7 +8,13 @@ import pytest
 
 from sorl_verl.agent.prompts import ANSWER_CLOSE, INFO_CLOSE, INFO_OPEN, SEARCH_CLOSE
 from sorl_verl.embedded.qa_build import EmbeddedConfig, ensure_embedded_default
-from sorl_verl.embedded.qa_trajectories import evaluate_em, expert_segments
+from sorl_verl.embedded.qa_trajectories import (
+    build_qa_sft_examples,
+    early_stop_segments,
+    evaluate_em,
+    expert_segments,
+    stops_early,
+)
 from sorl_verl.embedded.tiny_model import TinyModelSpec
 from sorl_verl.embedded.warmstart import (
     SFTConfig,
@@ -76,6 +82,47 @@ def test_expert_trajectory_masks_and_real_retrieval(built) -> None:
     assert not any(mask[:n_prompt]) and ids[n_prompt - 1] == tok.convert_tokens_to_ids("<|assistant|>")
     observed = tok.decode([t for t, m in zip(ids[n_prompt:], mask[n_prompt:], strict=True) if not m])
     assert observed.count(INFO_OPEN) == observed.count(INFO_CLOSE) == 2
+
+
+def test_early_stop_demonstration_answers_the_bridge_entity(built) -> None:
+    """One search, then the first hop's value as answer: scored 0 by the project's reward."""
+    from sorl_verl.rewards.score import compute_score
+
+    observe = make_observer(built.index_dir)
+    q = next(q for q in read_jsonl(built.questions["train"]) if q["hops"] == 2)
+    segs = early_stop_segments(q, observe)
+    assert [p for _, p in segs] == [True, False, True]
+    assert segs[0][0] == expert_segments(q, observe)[0][0] and segs[1] == expert_segments(q, observe)[1]
+    bridge = q["hop_queries"][1]
+    assert segs[-1][0].endswith(f"<answer> {bridge} </answer>") and bridge not in q["golden_answers"]
+    response = "".join(t for t, _ in segs)
+    assert compute_score("synthetic_2hop", response, {"target": q["golden_answers"]})["em"] == 0.0
+    one_hop = next(q for q in read_jsonl(built.questions["train"]) if q["hops"] == 1)
+    with pytest.raises(ValueError, match="multi-hop"):
+        early_stop_segments(one_hop, observe)
+
+
+def test_early_stop_rate_is_a_seeded_share_of_multi_hop_questions(built) -> None:
+    from transformers import AutoTokenizer
+
+    qs = read_jsonl(built.questions["train"])
+    multi = [q for q in qs if q["hops"] > 1]
+    assert not any(stops_early(q, 1.0) for q in qs if q["hops"] == 1)
+    assert all(stops_early(q, 1.0) for q in multi) and not any(stops_early(q, 0.0) for q in multi)
+    drawn = [stops_early(q, 0.5, seed=3) for q in multi]
+    assert drawn == [stops_early(q, 0.5, seed=3) for q in multi], "the draw is a function of (seed, id)"
+    # the share over n questions is Binomial(n, 0.5): within 4 standard deviations
+    n = len(multi)
+    assert abs(sum(drawn) - n / 2) <= 4 * (n / 4) ** 0.5, (sum(drawn), n)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        stops_early(multi[0], 1.5)
+    tok = AutoTokenizer.from_pretrained(built.tokenizer_dir)
+    observe = make_observer(built.index_dir)
+    two = [q for q in qs if q["hops"] == 2][:4]
+    expert = build_qa_sft_examples(tok, two, observe, progress=False)
+    early = build_qa_sft_examples(tok, two, observe, progress=False, early_stop_rate=1.0)
+    for (e_ids, _), (s_ids, _) in zip(expert, early, strict=True):
+        assert len(s_ids) < len(e_ids) and tok.decode(e_ids).count("<search>") - tok.decode(s_ids).count("<search>") == 1
 
 
 def test_rollout_loop_scores_scripted_policies(built) -> None:
