@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The main job: SORL trained by verl's own main_ppo on this CPU-only machine.
 #
-#   bash scripts/demo.sh [--algo so_grpo|so_ppo|grpo|ppo] [--task qa|medical] [--steps N] [-- hydra overrides...]
+#   bash scripts/demo.sh [--algo so_grpo|so_ppo|grpo|ppo] [--task qa|medical] [--steps N]
+#                        [--warmstart early-stop|expert] [-- hydra overrides...]
 #
 # Sets up .venv if needed, builds the embedded default if missing (synthetic world, BM25 index,
-# tiny tokenizer + Qwen2 model warm-started on expert search trajectories), starts the retrieval
+# tiny tokenizer + Qwen2 model warm-started on search demonstrations: --warmstart expert (default,
+# the study's) or, QA only, early-stop (60% of the multi-hop demonstrations answer after one
+# search; docs/embedded-default.md, docs/results.md), starts the retrieval
 # server on a free loopback port, runs `python -m verl.trainer.main_ppo` with
 # recipe/sorl/config/sorl_trainer.yaml + task/search_qa.yaml + platform/cpu.yaml, shows one progress
 # line per step, stops the server, and prints a summary table read from verl's metrics file.
@@ -18,6 +21,7 @@ ROOT=$PWD
 ALGO=so_grpo
 TASK=qa
 STEPS=30
+WARMSTART=expert
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -27,8 +31,10 @@ while [ $# -gt 0 ]; do
     --task=*) TASK=${1#*=}; shift ;;
     --steps) STEPS=$2; shift 2 ;;
     --steps=*) STEPS=${1#*=}; shift ;;
+    --warmstart) WARMSTART=$2; shift 2 ;;
+    --warmstart=*) WARMSTART=${1#*=}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,12 +57,12 @@ bash scripts/setup_env.sh
 export SORL_HOME=${SORL_HOME:-$ROOT/.sorl_cache}
 export VERL_PLATFORM=cpu TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-echo "[demo] embedded default of task $TASK under $SORL_HOME (built on first use)"
+echo "[demo] embedded default of task $TASK, warm-start $WARMSTART, under $SORL_HOME (built on first use)"
 # build progress goes to stderr; only TRAIN/VAL/INDEX/MODEL/TASK_OVERLAY reach the eval
-PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK")  # a failed build stops here (set -e)
+PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART")  # a failed build stops here (set -e)
 eval "$PATHS"
 
-RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-${TASK}-$(date +%Y%m%d-%H%M%S)}
+RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-${TASK}-${WARMSTART}-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$RUN_DIR"
 LOG=$RUN_DIR/train.log
 METRICS=$RUN_DIR/metrics.jsonl

@@ -7,7 +7,9 @@ hydra task overlay (``+task=search_qa`` or ``+task=medical_mcq``). For shell scr
     eval "$(python -m sorl_verl.embedded.demo_paths medical)"
     # -> TRAIN=... VAL=... INDEX=... MODEL=... TASK_OVERLAY=medical_mcq (only these lines on stdout)
 
-An unknown task name prints one error line and exits 2.
+``--warmstart NAME`` (QA only) picks a named warm-start of
+:data:`sorl_verl.embedded.qa_build.WARM_STARTS`, built under its own root. An unknown task or
+warm-start name prints one error line and exits 2.
 """
 
 from __future__ import annotations
@@ -41,17 +43,30 @@ class EmbeddedTask:
         return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in values.items())
 
 
-def embedded_task(task: str, progress: bool = True) -> EmbeddedTask:
-    """Build (first use) or load the embedded default of ``task``; build output goes to stderr."""
+def warmstart_names(task: str) -> list[str]:
+    """The named warm-starts of ``task`` (QA: ``qa_build.WARM_STARTS``; medical: ``expert``)."""
+    from sorl_verl.embedded.qa_build import WARM_STARTS
+
+    return sorted(WARM_STARTS) if task == "qa" else ["expert"]
+
+
+def embedded_task(task: str, progress: bool = True, warmstart: str = "expert") -> EmbeddedTask:
+    """Build (first use) or load the embedded default of ``task``; build output goes to stderr.
+
+    ``warmstart``: a name of ``qa_build.WARM_STARTS`` (the medical task has only ``expert``).
+    """
     from sorl_verl.cpu.chatml_alias import chatml_alias
 
     if task not in TASK_OVERLAYS:
         raise ValueError(f"unknown task {task!r}; choose from {sorted(TASK_OVERLAYS)}")
+    if warmstart not in warmstart_names(task):
+        raise ValueError(f"unknown warm-start {warmstart!r} of task {task!r}; choose from {warmstart_names(task)}")
     with contextlib.redirect_stdout(sys.stderr):  # only the variables reach stdout
         if task == "qa":
-            from sorl_verl.embedded.qa_build import ensure_embedded_default
+            from sorl_verl.embedded.qa_build import default_root, ensure_embedded_default, warmstart_config
 
-            paths = ensure_embedded_default(progress=progress)
+            paths = ensure_embedded_default(default_root(warmstart), config=warmstart_config(warmstart),
+                                            progress=progress)  # fmt: skip
         else:
             from sorl_verl.embedded.medical_build import ensure_embedded_medical
 
@@ -67,11 +82,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("task", help=f"one of {sorted(TASK_OVERLAYS)}")
     parser.add_argument("--quiet", action="store_true", help="no build progress bars")
+    parser.add_argument("--warmstart", default="expert", help="named warm-start (QA: expert or early-stop)")
     args = parser.parse_args(argv)
     if args.task not in TASK_OVERLAYS:
         print(f"demo_paths: unknown task {args.task!r}; choose from {sorted(TASK_OVERLAYS)}", file=sys.stderr)
         raise SystemExit(2)
-    sys.stdout.write(embedded_task(args.task, progress=not args.quiet).shell_lines())
+    if args.warmstart not in warmstart_names(args.task):
+        names = warmstart_names(args.task)
+        print(f"demo_paths: unknown warm-start {args.warmstart!r} of task {args.task!r}; choose from {names}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    sys.stdout.write(embedded_task(args.task, progress=not args.quiet, warmstart=args.warmstart).shell_lines())
 
 
 if __name__ == "__main__":

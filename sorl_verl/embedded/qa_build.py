@@ -65,10 +65,26 @@ class EmbeddedConfig:
     num_threads: int = 1
 
 
-def default_root() -> Path:
+#: named warm-starts of the QA embedded default -> ``early_stop_rate`` of their demonstrations.
+#: ``expert``: every demonstration is the expert's (the study's and the tests' model);
+#: ``early-stop``: 60 % of the multi-hop ones stop after one search (the demo's: RL has to learn
+#: to search again, docs/embedded-default.md)
+WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
+
+
+def default_root(warmstart: str = "expert") -> Path:
+    """``data_home()/embedded`` for the expert warm-start, ``embedded-<name>`` for another one."""
     from sorl_verl.paths import data_home
 
-    return data_home() / "embedded"
+    if warmstart not in WARM_STARTS:
+        raise ValueError(f"unknown warm-start {warmstart!r}; choose from {sorted(WARM_STARTS)}")
+    return data_home() / ("embedded" if warmstart == "expert" else f"embedded-{warmstart}")
+
+
+def warmstart_config(warmstart: str) -> EmbeddedConfig:
+    """The build parameters of a named warm-start (the defaults but ``early_stop_rate``)."""
+    default_root(warmstart)  # validates the name
+    return EmbeddedConfig(early_stop_rate=WARM_STARTS[warmstart])
 
 
 def qa_paths(root: str | Path) -> EmbeddedPaths:

@@ -104,6 +104,8 @@ def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
             "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
             "max_staleness": _max(v for _, v in trace.series("training/off_policy/trajectory_staleness/max")),
             "mean_rollout_probs_diff": _mean(v for _, v in trace.series("training/rollout_probs_diff_mean")),
+            "model_digest": cell.get("model_digest"),
+            "cpu": cell.get("cpu"),
         }
     )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import hashlib
 import json
 import os
 import shlex
@@ -60,6 +61,34 @@ class Inputs:
     val: Path
     model: Path
     retrieval_url: str
+
+
+def model_digest(model_dir: Path) -> str | None:
+    """First 16 hex digits of the SHA-256 of the model's weight files (None when there are none).
+
+    The warm-start is trained on the CPU of the machine that builds it, and its weights differ
+    between CPU types (AVX2 / AVX-512 kernels round differently over 600 SFT steps): runs compare
+    only where their digests agree."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.bin"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def cpu_name() -> str:
+    """The CPU model name and its widest vector extension (from /proc/cpuinfo; '' if unreadable)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    ext = "avx512" if " avx512f" in info else "avx2" if " avx2" in info else ""
+    return f"{name} ({ext})" if ext else name
 
 
 def cell_dir(out: Path, cell: Cell) -> Path:
@@ -268,6 +297,8 @@ def run_cell(
         "status": "running",
         "started": _now(),
         "host": os.uname().nodename,
+        "cpu": cpu_name(),
+        "model_digest": model_digest(inputs.model),
         "runner_pid": os.getpid(),
     }
     write_record(directory, record)

@@ -22,6 +22,8 @@ from sorl_verl.study.runner import (
     cell_command,
     cell_dir,
     cell_state,
+    cpu_name,
+    model_digest,
     read_record,
     run_grid,
     study_lock,
@@ -168,3 +170,19 @@ def test_sigterm_stops_the_cell_and_records_it_interrupted(tmp_path):
     assert rec["status"] == "interrupted"
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_model_digest_tells_weights_apart_and_cpu_is_named(tmp_path):
+    """Runs compare only on the same warm-start weights: the digest covers every weight file."""
+    a, b, empty = tmp_path / "a", tmp_path / "b", tmp_path / "empty"
+    for d in (a, b, empty):
+        d.mkdir()
+    (a / "model.safetensors").write_bytes(b"\x00" * 3_000_000)
+    (b / "model.safetensors").write_bytes(b"\x00" * 3_000_000)
+    (a / "config.json").write_text("{}")  # not a weight file
+    assert model_digest(a) == model_digest(b) and len(model_digest(a)) == 16
+    (b / "model.safetensors").write_bytes(b"\x00" * 2_999_999 + b"\x01")
+    assert model_digest(b) != model_digest(a)
+    assert model_digest(empty) is None
+    name = cpu_name()
+    assert isinstance(name, str) and (not Path("/proc/cpuinfo").exists() or name)

@@ -44,6 +44,7 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     rec = json.loads((cell / "cell.json").read_text())
     assert (rec["status"], rec["exit_code"], rec["steps_done"]) == ("done", 0, 2)
     assert 0 < rec["wall_s"] < wall
+    assert len(rec["model_digest"]) == 16 and int(rec["model_digest"], 16) >= 0  # which warm-start weights ran
     assert rec["command"][1:3] == ["-m", "verl.trainer.main_ppo"]
     records = [json.loads(line) for line in (cell / "metrics.jsonl").read_text().splitlines()]
     val_steps = [r["step"] for r in records if any(k.startswith("val-core/") for k in r["data"])]

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sorl_verl.embedded.demo_paths import TASK_OVERLAYS, EmbeddedTask
 
 
@@ -31,3 +33,30 @@ def test_unknown_task_exits_2_with_one_line_and_nothing_on_stdout() -> None:
                           text=True)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["demo_paths: unknown task 'surgery'; choose from ['medical', 'qa']"]
+
+
+def test_unknown_warmstart_exits_2_before_building_anything(tmp_path: Path) -> None:
+    """A misspelled warm-start (or one the medical task lacks) is refused before any build step."""
+    import os
+
+    env = {**os.environ, "SORL_HOME": str(tmp_path)}
+    for task, name, names in (("qa", "earlystop", "['early-stop', 'expert']"), ("medical", "early-stop", "['expert']")):
+        proc = subprocess.run([sys.executable, "-m", "sorl_verl.embedded.demo_paths", task, "--warmstart", name],
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip().splitlines() == [
+            f"demo_paths: unknown warm-start {name!r} of task {task!r}; choose from {names}"
+        ]
+    assert list(tmp_path.iterdir()) == [], "nothing was built"
+
+
+def test_named_warmstarts_build_under_their_own_root(tmp_path: Path, monkeypatch) -> None:
+    from sorl_verl.embedded.qa_build import WARM_STARTS, default_root, warmstart_config
+
+    monkeypatch.setenv("SORL_HOME", str(tmp_path))
+    assert default_root("expert") == default_root() and default_root("expert").name == "embedded"
+    assert default_root("early-stop").name == "embedded-early-stop"
+    assert warmstart_config("expert").early_stop_rate == 0.0
+    assert warmstart_config("early-stop").early_stop_rate == WARM_STARTS["early-stop"] == 0.6
+    with pytest.raises(ValueError, match="unknown warm-start"):
+        default_root("greedy")
