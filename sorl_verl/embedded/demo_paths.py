@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.task not in TASK_OVERLAYS:
         print(f"demo_paths: unknown task {args.task!r}; choose from {sorted(TASK_OVERLAYS)}", file=sys.stderr)
         raise SystemExit(2)
-    if args.warmstart not in warmstart_names(args.task):
-        names = warmstart_names(args.task)
+    names = warmstart_names(args.task)
+    if args.warmstart not in names:
         print(f"demo_paths: unknown warm-start {args.warmstart!r} of task {args.task!r}; choose from {names}",
               file=sys.stderr)  # fmt: skip
         raise SystemExit(2)

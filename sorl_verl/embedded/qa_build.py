@@ -66,25 +66,29 @@ class EmbeddedConfig:
 
 
 #: named warm-starts of the QA embedded default -> ``early_stop_rate`` of their demonstrations.
-#: ``expert``: every demonstration is the expert's (the study's and the tests' model);
-#: ``early-stop``: 60 % of the multi-hop ones stop after one search (the demo's: RL has to learn
-#: to search again, docs/embedded-default.md)
+#: ``expert`` (default): every demonstration is the expert's (the demo's, the study's, the tests');
+#: ``early-stop``: 60 % of the multi-hop ones stop after one search, so that RL has one decision
+#: to learn (search again); it did not give a stable demo (docs/results.md)
 WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
+
+
+def _early_stop_rate(warmstart: str) -> float:
+    if warmstart not in WARM_STARTS:
+        raise ValueError(f"unknown warm-start {warmstart!r}; choose from {sorted(WARM_STARTS)}")
+    return WARM_STARTS[warmstart]
 
 
 def default_root(warmstart: str = "expert") -> Path:
     """``data_home()/embedded`` for the expert warm-start, ``embedded-<name>`` for another one."""
     from sorl_verl.paths import data_home
 
-    if warmstart not in WARM_STARTS:
-        raise ValueError(f"unknown warm-start {warmstart!r}; choose from {sorted(WARM_STARTS)}")
+    _early_stop_rate(warmstart)
     return data_home() / ("embedded" if warmstart == "expert" else f"embedded-{warmstart}")
 
 
 def warmstart_config(warmstart: str) -> EmbeddedConfig:
     """The build parameters of a named warm-start (the defaults but ``early_stop_rate``)."""
-    default_root(warmstart)  # validates the name
-    return EmbeddedConfig(early_stop_rate=WARM_STARTS[warmstart])
+    return EmbeddedConfig(early_stop_rate=_early_stop_rate(warmstart))
 
 
 def qa_paths(root: str | Path) -> EmbeddedPaths:
@@ -136,6 +140,7 @@ def ensure_embedded_default(
         with torch_threads(cfg.num_threads):
             _warm_start(cfg, paths, questions, tmp, progress)
 
+    # early_stop enters the stamp only when set, so the expert builds made before it existed stay valid
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
           "max_hops": cfg.sft_max_hops, **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {}), "eval": [cfg.eval_per_hop, list(cfg.eval_hops)], "topk": cfg.topk},

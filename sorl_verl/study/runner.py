@@ -64,20 +64,18 @@ class Inputs:
 
 
 def model_digest(model_dir: Path) -> str | None:
-    """First 16 hex digits of the SHA-256 of the model's weight files (None when there are none).
+    """First 16 hex digits of the SHA-256 of the weight files' SHA-256s, in name order (None when
+    there are none).
 
     The warm-start is trained on the CPU of the machine that builds it, and its weights differ
     between CPU types (AVX2 / AVX-512 kernels round differently over 600 SFT steps): runs compare
     only where their digests agree."""
+    from sorl_verl.retrieval.corpus import sha256_file
+
     files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.bin"))
     if not files:
         return None
-    h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()[:16]
 
 
 def cpu_name() -> str:
