@@ -97,7 +97,7 @@ def evaluate_mcq(
     """
     from sorl_verl.embedded.medical_trajectories import user_message
     from sorl_verl.embedded.medical_world import data_source
-    from sorl_verl.embedded.warmstart import greedy_rollouts
+    from sorl_verl.embedded.warmstart import greedy_rollouts, grouped_rates
     from sorl_verl.rewards.score import compute_score
 
     t0 = time.perf_counter()
@@ -114,11 +114,8 @@ def evaluate_mcq(
         "n": len(scores),
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    for key, name in (("hops", "{}hop"), ("type", "{}")):
-        for value in sorted({q[key] for q in questions}):
-            group = [s for q, s in zip(questions, scores, strict=True) if q[key] == value]
-            result[f"success_{name.format(value)}"] = sum(group) / len(group)
-            result[f"n_{name.format(value)}"] = len(group)
+    for key, label in (("hops", "{}hop"), ("type", "{}")):
+        result |= grouped_rates(questions, scores, key, "success", label)
     result["samples"] = [
         {"question": q["question"], "gold": q["answer_idx"], "response": r}
         for q, r in list(zip(questions, responses, strict=True))[:2]

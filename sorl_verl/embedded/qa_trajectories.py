@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from sorl_verl.embedded.qa_world import RELATIONS
-from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments, greedy_rollouts
+from sorl_verl.embedded.warmstart import (
+    Observer,
+    build_sft_examples,
+    expert_search_segments,
+    greedy_rollouts,
+    grouped_rates,
+)
 
 
 def _fact(rel: str, subject: str, value: str) -> str:
@@ -80,10 +86,7 @@ def evaluate_em(
         "n": len(scores),
         "seconds": time.perf_counter() - t0,
     }
-    for k in sorted({q["hops"] for q in questions}):
-        ks = [s for q, s in zip(questions, scores, strict=True) if q["hops"] == k]
-        result[f"em_{k}hop"] = sum(ks) / len(ks)
-        result[f"n_{k}hop"] = len(ks)
+    result |= grouped_rates(questions, scores, "hops", "em", "{}hop")
     result["samples"] = [
         {"question": q["question"], "gold": q["golden_answers"], "response": r}
         for q, r in list(zip(questions, responses, strict=True))[:3]

@@ -321,6 +321,19 @@ def greedy_rollouts(
     return responses
 
 
+def grouped_rates(
+    questions: Sequence[dict[str, Any]], scores: Sequence[float], key: str, prefix: str, label: str = "{}"
+) -> dict[str, float | int]:
+    """Per-group mean score and count: ``{prefix}_{label(v)}`` and ``n_{label(v)}`` for each value ``v`` of
+    ``question[key]``, groups in sorted order."""
+    out: dict[str, float | int] = {}
+    for value in sorted({q[key] for q in questions}):
+        group = [s for q, s in zip(questions, scores, strict=True) if q[key] == value]
+        out[f"{prefix}_{label.format(value)}"] = sum(group) / len(group)
+        out[f"n_{label.format(value)}"] = len(group)
+    return out
+
+
 def warmstart_report(
     model: Any,
     examples: Sequence[tuple[list[int], list[int]]],
