@@ -105,6 +105,20 @@ def _sdpa_value_model(fn: Any) -> Any:
     return wrapper
 
 
+def _unpinned_offload_policy(cls: Any) -> Any:
+    """verl's FSDP2 engine shards the forward-only reference model (``use_kl_loss``, ``use_kl_in_reward``)
+    with ``CPUOffloadPolicy(pin_memory=True)``; pinning host memory needs an accelerator, so torch
+    raises. On CPU the policy is built with ``pin_memory=False``: the parameters already live in host
+    memory, only the page lock for device copies is dropped."""
+
+    @functools.wraps(cls, updated=())
+    def make(pin_memory: bool = True) -> Any:
+        return cls(pin_memory=False)
+
+    make.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
+    return make
+
+
 def _wrap(module: Any, attr: str, make: Any) -> None:
     fn = getattr(module, attr)
     if not getattr(fn, "__sorl_cpu_wrapped__", False):
@@ -122,11 +136,14 @@ def apply_cpu_wrappers() -> list[str]:
     _check_verl_version()
     import verl.utils.distributed as dist_utils
     import verl.utils.model as model_utils
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
 
     # bound by `from verl.utils.distributed import ...` in engine_workers: must run before that import
     _wrap(dist_utils, "initialize_global_process_group_ray", _cpu_only_backend)
     # imported inside the FSDP engine's _build_module at call time
     _wrap(model_utils, "load_valuehead_model", _sdpa_value_model)
+    # a module global of the FSDP engine, looked up when the reference model is sharded
+    _wrap(fsdp_engine, "CPUOffloadPolicy", _unpinned_offload_policy)
     # not a wrapper: Ray's node on 127.0.0.1 for the single-machine CPU run (sorl_verl/cpu/loopback.py)
     use_loopback_ray()
     return list(APPLIED)

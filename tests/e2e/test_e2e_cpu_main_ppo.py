@@ -72,10 +72,12 @@ def test_so_grpo_two_steps_then_resume(tmp_path, main_ppo):
 
 
 def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
+    # every model verl can place on the CPU worker: actor, critic and the reference model of the KL loss
     algo = [
         "algorithm.adv_estimator=so_ppo",
         "actor_rollout_ref.actor.policy_loss.loss_mode=so_ppo",
         "critic.enable=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
     ]
     records = run_main_ppo(
         tmp_path,
@@ -95,3 +97,8 @@ def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
         # (rewards alone are constant within an episode, and often 0 for a whole batch)
         assert float(m["critic/advantages/max"]) > float(m["critic/advantages/min"])
     assert max(float(m["actor/sorl/num_turns_mean"]) for m in steps.values()) > 1.0
+    # the reference model ran (sharded on CPU): step 1 trains from the reference's own weights, so the
+    # KL to it is 0 up to rounding; after one update it is positive
+    kl = {s: float(m["actor/kl_loss"]) for s, m in steps.items()}
+    assert all(math.isfinite(v) and v >= 0.0 for v in kl.values()), kl
+    assert kl[2] > 10 * max(kl[1], 1e-9), kl

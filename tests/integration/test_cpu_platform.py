@@ -60,6 +60,7 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
         from verl.utils.device import get_device_name, get_nccl_backend, get_device_id
         from verl.workers.engine import EngineRegistry
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
         import verl.workers.engine_workers as ew
         import torch.distributed as dist
         import psutil
@@ -73,6 +74,7 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
             "value": EngineRegistry.get_engine_cls("value_model", "fsdp") is FSDPEngineWithValueHead,
             "pg_backend": dist.get_backend(), "errors": plugin.ERRORS,
             "wrappers": plugin.REGISTERED.get("cpu_wrappers"),
+            "ref_pinned": fsdp_engine.CPUOffloadPolicy(pin_memory=True).pin_memory,
             "listening": sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}),
         }))
         """,
@@ -87,7 +89,10 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
     assert out["listening"] == ["127.0.0.1"]
     assert out["errors"] == {}
     assert out["wrappers"] == ["verl.utils.distributed.initialize_global_process_group_ray",
-                               "verl.utils.model.load_valuehead_model"]
+                               "verl.utils.model.load_valuehead_model",
+                               "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy"]
+    # the reference model's offload policy no longer pins host memory (that needs an accelerator)
+    assert out["ref_pinned"] is False
 
 
 def test_nothing_cpu_specific_when_another_platform_is_chosen():
@@ -95,9 +100,11 @@ def test_nothing_cpu_specific_when_another_platform_is_chosen():
         """
         import json, verl, sorl_verl.plugin as plugin
         import verl.utils.distributed as d
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
         from verl.workers.engine import EngineRegistry
         print(json.dumps({"registered": sorted(plugin.REGISTERED),
                           "wrapped": getattr(d.initialize_global_process_group_ray, "__sorl_cpu_wrapped__", False),
+                          "ref_pinned": fsdp_engine.CPUOffloadPolicy().pin_memory,
                           "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"]}))
         """,
         VERL_PLATFORM="nvidia",
@@ -106,7 +113,7 @@ def test_nothing_cpu_specific_when_another_platform_is_chosen():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "cpu_wrappers" not in out["registered"] and "EngineRegistry" not in out["registered"]
     assert "PlatformRegistry" in out["registered"] and "RolloutReplicaRegistry" in out["registered"]
-    assert not out["wrapped"] and not out["cpu_engine"]
+    assert not out["wrapped"] and not out["cpu_engine"] and out["ref_pinned"] is True
 
 
 def test_wrappers_refuse_an_unchecked_verl(monkeypatch):
