@@ -2,8 +2,8 @@
 batches generated ahead, so step 2 trains on episodes sampled (at least partly) by the weights of
 step 0: verl's own staleness metrics and the rollout/actor probability gap must show it.
 
-Measured here (one run): step 1 staleness 0, rollout/actor gap 1.9e-6; step 2 every row staleness 1,
-gap 5.2e-5."""
+Measured here (three runs): step 1 staleness 0, rollout/actor gap ~1.9e-6; step 2 gap 5.2e-5 to 9.8e-2,
+staleness 1 on every row on an idle machine, 0-1 under load (some rows finished after the sync)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,13 @@ def test_colocate_async_trains_on_stale_episodes(tmp_path, main_ppo):
     for m in steps.values():
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/sorl/norm_factor"):
             assert math.isfinite(float(m[key])), (key, m[key])
-    # step 1 trains on episodes of weights v0 (fresh); step 2 on the second batch, also sampled by
-    # v0 while step 1 trained: every row one version behind the policy being trained
+    # step 1 trains on episodes of weights v0 (fresh); step 2 on the second batch, sampled by v0
+    # while step 1 trained. How many of its rows finish before the weights move is a race: on an
+    # idle machine every row was one version behind (staleness min 1), with a second main_ppo
+    # beside it some rows of that batch finished after the sync (min 0, max 1). The guarantee is
+    # that step 2 holds stale rows and step 1 none.
     assert float(steps[1]["training/off_policy/trajectory_staleness_worst/max"]) == 0
-    assert float(steps[2]["training/off_policy/trajectory_staleness/min"]) >= 1
+    assert float(steps[2]["training/off_policy/trajectory_staleness_worst/max"]) >= 1
     # the stale rows were sampled by other weights than the actor now scores them with: the
     # rollout/actor probability gap grows beyond the fresh step's float noise
     on_policy_gap = float(steps[1]["training/rollout_probs_diff_max"])
