@@ -23,7 +23,7 @@ ROOT=$PWD
 ALGO=so_grpo
 TASK=qa
 STEPS=30
-WARMSTART=
+WARMSTART=expert
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -48,7 +48,7 @@ case "$ALGO" in
   *) echo "--algo must be so_grpo, so_ppo, grpo or ppo (got $ALGO)" >&2; exit 2 ;;
 esac
 case "$TASK" in
-  qa|medical) WARMSTART=${WARMSTART:-expert} ;;
+  qa|medical) ;;
   *) echo "--task must be qa or medical (got $TASK)" >&2; exit 2 ;;
 esac
 
