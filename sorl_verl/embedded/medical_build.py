@@ -62,6 +62,9 @@ class MedicalEmbeddedConfig:
     #: Off by default: an experiment (3 twins, 100 per type, 800 steps) taught the model to copy names but
     #: left greedy success at chance (0.19, n = 90) and costs ~15 CPU-minutes (docs/embedded-default.md)
     sft_twin_worlds: int = 0
+    #: each option check of the final thought on its own line (:func:`medical_trajectories.expert_segments`),
+    #: tokenized exactly as the prompt's option line it copies
+    check_lines: bool = False
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -129,7 +132,7 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
 
 
 def twin_world_examples(
-    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True
+    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, check_lines: bool = False
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
 
@@ -151,7 +154,11 @@ def twin_world_examples(
         build_index(corpus, Path(tmp) / "bm25", overwrite=True, show_progress=False)
         observe = make_observer(Path(tmp) / "bm25", topk)
         return build_medical_sft_examples(
-            tokenizer, [q for split in SPLITS for q in twin.questions[split]], observe, progress=progress
+            tokenizer,
+            [q for split in SPLITS for q in twin.questions[split]],
+            observe,
+            progress=progress,
+            check_lines=check_lines,
         )
 
 
@@ -211,7 +218,7 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
-          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "check_lines": cfg.check_lines, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
           "max_turns": cfg.max_turns}, build_model)  # fmt: skip
 
     record_build(paths, timings)
@@ -237,9 +244,10 @@ def _warm_start(
     t0 = time.perf_counter()
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
-    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress)
+    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, check_lines=cfg.check_lines)
     for i in range(cfg.sft_twin_worlds):
-        examples += twin_world_examples(tok, world, world.config.seed + TWIN_SEED_OFFSET + i, cfg.topk, progress)
+        seed = world.config.seed + TWIN_SEED_OFFSET + i
+        examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.check_lines)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

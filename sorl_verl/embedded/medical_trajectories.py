@@ -8,7 +8,9 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
     <think> R(k-1) fact of E(k-1) and the answer A. A. text no. B. text no. L. A yes. </think>\\n<answer> L </answer><|im_end|>
 
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
-checked in letter order up to the gold one, :func:`option_checks`) and the
+checked in letter order up to the gold one, :func:`option_checks`; with ``check_lines`` each check
+starts a new line, ``...answer A.\nA. text no.\nL. A yes.``, so it tokenizes exactly as the prompt's
+option line it copies) and the
 observations come from the real retriever. Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
@@ -34,10 +36,14 @@ def _fact(rel: str, subject: str, value: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
-    """The scripted response as ``(text, is_policy)`` segments (EOS not included)."""
+def expert_segments(question: dict[str, Any], observe: Observer, check_lines: bool = False) -> list[tuple[str, bool]]:
+    """The scripted response as ``(text, is_policy)`` segments (EOS not included).
+
+    ``check_lines`` puts each option check on its own line (``"\n"`` instead of ``" "`` before it).
+    """
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
-    final = " ".join([_fact(chain[-1], hops[-1], question["answer"]), *option_checks(question["options"], letter)])
+    sep = "\n" if check_lines else " "
+    final = sep.join([_fact(chain[-1], hops[-1], question["answer"]), *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, letter)
 
 
@@ -79,7 +85,13 @@ def sft_questions(
 
 
 def build_medical_sft_examples(
-    tokenizer, questions: Sequence[dict[str, Any]], observe: Observer, progress: bool = True
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    observe: Observer,
+    progress: bool = True,
+    check_lines: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
-    return build_sft_examples(tokenizer, questions, lambda q: expert_segments(q, observe), user_message, progress)
+    return build_sft_examples(
+        tokenizer, questions, lambda q: expert_segments(q, observe, check_lines), user_message, progress
+    )

@@ -147,6 +147,36 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
     assert INFO_OPEN not in policy and policy.rstrip().endswith(f"<answer> {q['answer_idx']} </answer><|im_end|>")
 
 
+def test_check_lines_copy_the_prompts_option_lines_token_for_token(built) -> None:
+    """With ``check_lines`` each check starts a line, ``"\\nL. text no."``, and its ``"L. text"`` tokens
+    are the prompt's option line token for token (what the model copies)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built.model_dir)
+    observe = make_observer(built.index_dir)
+
+    def contains(seq: list[int], sub: list[int]) -> bool:
+        return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    n_checks = 0
+    for q in read_jsonl(built.questions["train"])[:12]:
+        lines, default = expert_segments(q, observe, check_lines=True), expert_segments(q, observe)
+        assert [t for t, _ in lines[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
+        letter, final = q["answer_idx"], lines[-1][0]
+        assert final.count(" yes.") == 1 and final.endswith(
+            f"\n{letter}. {q['answer']} yes. </think>\n<answer> {letter} </answer>"
+        )
+        assert parse_action(final).content == letter and turn_well_formed(final)
+        prompt = tok.encode(user_message(q), add_special_tokens=False)
+        final_ids = tok.encode(final, add_special_tokens=False)
+        for key in [k for k in sorted(q["options"]) if k <= letter]:
+            assert f"\n{key}. {q['options'][key]} {'yes' if key == letter else 'no'}." in final
+            line = tok.encode(f"{key}. {q['options'][key]}", add_special_tokens=False)
+            assert contains(prompt, line) and contains(final_ids, line)
+            n_checks += 1
+    assert n_checks >= 12
+
+
 def test_prompt_is_the_parquet_rows_user_message(built) -> None:
     import pandas as pd
 
