@@ -2,7 +2,7 @@
 
 The base config is composed once with hydra's compose API as main_ppo composes it
 (sorl_trainer + task/search_qa + platform/cpu); each algorithm and each regime of
-``recipe/sorl/study/stress.yaml`` then applies its overrides, parsed by hydra's override parser,
+every committed grid (``recipe/sorl/study/*.yaml`` but the presets library) then applies its overrides, parsed by hydra's override parser,
 to a struct-mode copy, so a misspelled key fails here rather than hours into a study; the actor and algorithm sections are converted to verl's dataclasses (the validation
 main_ppo does at start-up), and loss modes and advantage estimators are looked up in verl's
 registries.
@@ -24,7 +24,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from sorl_verl.study.grid import PLACEHOLDER, Cell, load_grid
 
 REPO = Path(__file__).resolve().parents[2]
-GRID = load_grid(REPO / "recipe" / "sorl" / "study" / "stress.yaml")
+GRIDS = [load_grid(p) for p in sorted((REPO / "recipe" / "sorl" / "study").glob("*.yaml")) if p.name != "presets.yaml"]
+GRID = next(g for g in GRIDS if g.name == "stress")
 PATHS = [
     "data.train_files=/x/train.parquet",
     "data.val_files=/x/val.parquet",
@@ -34,13 +35,14 @@ PATHS = [
 
 
 def representative_cells() -> list[Cell]:
-    """Every algorithm once (in the main regime) and every regime once (with grpo and so_grpo)."""
-    chosen: dict[tuple[str, str], Cell] = {}
-    for c in GRID.cells:
-        if c.seed == min(x.seed for x in GRID.cells if (x.regime, x.algorithm) == (c.regime, c.algorithm)):
-            first_of_alg = all(x.algorithm != c.algorithm for x in chosen.values())
-            if first_of_alg or c.algorithm in ("grpo", "so_grpo"):
-                chosen.setdefault((c.regime, c.algorithm), c)
+    """Per grid, every algorithm once (in its first regime) and every regime once (with grpo and so_grpo)."""
+    chosen: dict[tuple[str, str, str], Cell] = {}
+    for grid in GRIDS:
+        for c in grid.cells:
+            if c.seed == min(x.seed for x in grid.cells if (x.regime, x.algorithm) == (c.regime, c.algorithm)):
+                first_of_alg = all(x.algorithm != c.algorithm for k, x in chosen.items() if k[0] == grid.name)
+                if first_of_alg or c.algorithm in ("grpo", "so_grpo"):
+                    chosen.setdefault((grid.name, c.regime, c.algorithm), c)
     return list(chosen.values())
 
 
