@@ -9,7 +9,7 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
 
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
 checked in letter order up to the gold one, :func:`option_checks`; with ``check_lines`` each check
-starts a new line, ``...answer A.\nA. text no.\nL. A yes.``, so it tokenizes exactly as the prompt's
+starts a new line, ``...answer A.\\nA. text no.\\nL. A yes.``, so it tokenizes exactly as the prompt's
 option line it copies) and the
 observations come from the real retriever. Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
@@ -39,7 +39,7 @@ def _fact(rel: str, subject: str, value: str) -> str:
 def expert_segments(question: dict[str, Any], observe: Observer, check_lines: bool = False) -> list[tuple[str, bool]]:
     """The scripted response as ``(text, is_policy)`` segments (EOS not included).
 
-    ``check_lines`` puts each option check on its own line (``"\n"`` instead of ``" "`` before it).
+    ``check_lines`` puts each option check on its own line (``"\\n"`` instead of ``" "`` before it).
     """
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
     sep = "\n" if check_lines else " "

@@ -25,7 +25,9 @@ from sorl_verl.study.grid import PLACEHOLDER, Cell, load_grid
 
 REPO = Path(__file__).resolve().parents[2]
 GRIDS = [load_grid(p) for p in sorted((REPO / "recipe" / "sorl" / "study").glob("*.yaml")) if p.name != "presets.yaml"]
-GRID = next(g for g in GRIDS if g.name == "stress")
+CONFIG_DIRS = {g.config_dir for g in GRIDS}
+assert len(CONFIG_DIRS) == 1, f"the grids compose from different config dirs {CONFIG_DIRS}: compose a base per dir"
+(CONFIG_DIR,) = CONFIG_DIRS
 PATHS = [
     "data.train_files=/x/train.parquet",
     "data.val_files=/x/val.parquet",
@@ -53,7 +55,7 @@ def overrides(cell: Cell) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base_config():
-    with initialize_config_dir(config_dir=str(GRID.config_dir), version_base=None):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name="sorl_trainer", overrides=["+task=search_qa", "+platform=cpu", *PATHS])
 
 
