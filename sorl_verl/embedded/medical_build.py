@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sorl_verl.embedded.medical_trajectories import CHECK_STYLES
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
@@ -62,9 +63,10 @@ class MedicalEmbeddedConfig:
     #: Off by default: an experiment (3 twins, 100 per type, 800 steps) taught the model to copy names but
     #: left greedy success at chance (0.19, n = 90) and costs ~15 CPU-minutes (docs/embedded-default.md)
     sft_twin_worlds: int = 0
-    #: each option check of the final thought on its own line (:func:`medical_trajectories.expert_segments`),
-    #: tokenized exactly as the prompt's option line it copies
-    check_lines: bool = False
+    #: how the final thought checks the options, one of ``medical_trajectories.CHECK_STYLES``: ``inline``
+    #: (default), ``lines`` (one check per line, tokenized as the prompt's option line) or ``block``
+    #: (the prompt's option block copied up to the gold line); docs/embedded-default.md has what each measured
+    checks: str = "inline"
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -72,6 +74,10 @@ class MedicalEmbeddedConfig:
     max_turns: int = 4
     #: torch threads for SFT and evaluation (1 is fastest on a shared 2-core machine)
     num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.checks not in CHECK_STYLES:
+            raise ValueError(f"MedicalEmbeddedConfig.checks must be one of {CHECK_STYLES}, got {self.checks!r}")
 
 
 def default_root() -> Path:
@@ -132,7 +138,7 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
 
 
 def twin_world_examples(
-    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, check_lines: bool = False
+    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, checks: str = "inline"
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
 
@@ -158,7 +164,7 @@ def twin_world_examples(
             [q for split in SPLITS for q in twin.questions[split]],
             observe,
             progress=progress,
-            check_lines=check_lines,
+            checks=checks,
         )
 
 
@@ -218,7 +224,7 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
-          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "check_lines": cfg.check_lines, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "checks": cfg.checks, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
           "max_turns": cfg.max_turns}, build_model)  # fmt: skip
 
     record_build(paths, timings)
@@ -244,10 +250,10 @@ def _warm_start(
     t0 = time.perf_counter()
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
-    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, check_lines=cfg.check_lines)
+    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, checks=cfg.checks)
     for i in range(cfg.sft_twin_worlds):
         seed = world.config.seed + TWIN_SEED_OFFSET + i
-        examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.check_lines)
+        examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

@@ -8,10 +8,17 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
     <think> R(k-1) fact of E(k-1) and the answer A. A. text no. B. text no. L. A yes. </think>\\n<answer> L </answer><|im_end|>
 
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
-checked in letter order up to the gold one, :func:`option_checks`; with ``check_lines`` each check
-starts a new line, ``...answer A.\\nA. text no.\\nL. A yes.``, so it tokenizes exactly as the prompt's
-option line it copies) and the
-observations come from the real retriever. Policy segments have loss mask 1, prompt and
+checked in letter order up to the gold one, :func:`option_checks`) and the observations come from
+the real retriever. The final thought's option checks come in three styles (:data:`CHECK_STYLES`):
+
+- ``inline`` (default): ``...answer A. A. text no. L. A yes.``;
+- ``lines``: each check on its own line, ``...answer A.\\nA. text no.\\nL. A yes.``, so its
+  ``L. text`` tokens are the prompt's option line token for token;
+- ``block``: the prompt's option block copied verbatim up to the gold option, then ``yes``:
+  ``...answer A.\\nOptions:\\nA. text\\nL. A yes.`` (:func:`option_block`). Each token of the copy
+  follows the token before it in the prompt, a plain forward copy; ``lines`` must jump to the text
+  after ``\\nB.`` once per line, behind a ``no.`` the prompt does not hold.
+ Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
 
@@ -21,7 +28,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from sorl_verl.agent.prompts import mcq_prompt
+from sorl_verl.agent.prompts import mcq_prompt, option_lines
 from sorl_verl.embedded.medical_world import RELATIONS, MedicalWorld
 from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments
 
@@ -36,14 +43,20 @@ def _fact(rel: str, subject: str, value: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def expert_segments(question: dict[str, Any], observe: Observer, check_lines: bool = False) -> list[tuple[str, bool]]:
-    """The scripted response as ``(text, is_policy)`` segments (EOS not included).
+#: how the final thought checks the options (module docstring)
+CHECK_STYLES = ("inline", "lines", "block")
 
-    ``check_lines`` puts each option check on its own line (``"\\n"`` instead of ``" "`` before it).
-    """
+
+def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "inline") -> list[tuple[str, bool]]:
+    """The scripted response as ``(text, is_policy)`` segments (EOS not included); ``checks`` in :data:`CHECK_STYLES`."""
+    if checks not in CHECK_STYLES:
+        raise ValueError(f"checks must be one of {CHECK_STYLES}, got {checks!r}")
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
-    sep = "\n" if check_lines else " "
-    final = sep.join([_fact(chain[-1], hops[-1], question["answer"]), *option_checks(question["options"], letter)])
+    fact = _fact(chain[-1], hops[-1], question["answer"])
+    if checks == "block":
+        final = f"{fact}\n{option_block(question['options'], letter)}"
+    else:
+        final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, letter)
 
 
@@ -59,6 +72,19 @@ def option_checks(options: dict[str, str], letter: str) -> list[str]:
         if key == letter:
             return checks
     raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
+
+
+def option_block(options: dict[str, str], letter: str) -> str:
+    """``"Options:\\nA. text\\n...\\nL. text yes."``: the prompt's option block (``mcq_prompt``) up to the gold line.
+
+    Everything before ``" yes."`` is a contiguous piece of the prompt, so writing it is a forward
+    copy; where to stop is the one decision (the line whose text is the answer just read), and the
+    answer letter is then the last letter written.
+    """
+    if letter not in options:
+        raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
+    keys = [k for k in sorted(options) if k <= letter]
+    return "Options:\n" + option_lines({k: options[k] for k in keys}) + " yes."
 
 
 def sft_questions(
@@ -89,9 +115,9 @@ def build_medical_sft_examples(
     questions: Sequence[dict[str, Any]],
     observe: Observer,
     progress: bool = True,
-    check_lines: bool = False,
+    checks: str = "inline",
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
     return build_sft_examples(
-        tokenizer, questions, lambda q: expert_segments(q, observe, check_lines), user_message, progress
+        tokenizer, questions, lambda q: expert_segments(q, observe, checks), user_message, progress
     )

@@ -147,20 +147,20 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
     assert INFO_OPEN not in policy and policy.rstrip().endswith(f"<answer> {q['answer_idx']} </answer><|im_end|>")
 
 
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
 def test_check_lines_copy_the_prompts_option_lines_token_for_token(built) -> None:
-    """With ``check_lines`` each check starts a line, ``"\\nL. text no."``, and its ``"L. text"`` tokens
+    """With ``checks="lines"`` each check starts a line, ``"\\nL. text no."``, and its ``"L. text"`` tokens
     are the prompt's option line token for token (what the model copies)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(built.model_dir)
     observe = make_observer(built.index_dir)
-
-    def contains(seq: list[int], sub: list[int]) -> bool:
-        return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
     n_checks = 0
     for q in read_jsonl(built.questions["train"])[:12]:
-        lines, default = expert_segments(q, observe, check_lines=True), expert_segments(q, observe)
+        lines, default = expert_segments(q, observe, checks="lines"), expert_segments(q, observe)
         assert [t for t, _ in lines[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
         letter, final = q["answer_idx"], lines[-1][0]
         assert final.count(" yes.") == 1 and final.endswith(
@@ -172,9 +172,33 @@ def test_check_lines_copy_the_prompts_option_lines_token_for_token(built) -> Non
         for key in [k for k in sorted(q["options"]) if k <= letter]:
             assert f"\n{key}. {q['options'][key]} {'yes' if key == letter else 'no'}." in final
             line = tok.encode(f"{key}. {q['options'][key]}", add_special_tokens=False)
-            assert contains(prompt, line) and contains(final_ids, line)
+            assert _contains(prompt, line) and _contains(final_ids, line)
             n_checks += 1
     assert n_checks >= 12
+
+
+def test_check_block_is_one_contiguous_token_copy_of_the_prompt(built) -> None:
+    """With ``checks="block"`` the final thought holds the prompt's option block up to the gold line as
+    one run of the prompt's own tokens (a forward copy), then ``yes`` and the gold letter."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built.model_dir)
+    observe = make_observer(built.index_dir)
+    letters = set()
+    for q in read_jsonl(built.questions["train"])[:12]:
+        block, default = expert_segments(q, observe, checks="block"), expert_segments(q, observe)
+        assert [t for t, _ in block[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
+        letter, final = q["answer_idx"], block[-1][0]
+        assert final.endswith(f"\n{letter}. {q['answer']} yes. </think>\n<answer> {letter} </answer>")
+        assert parse_action(final).content == letter and turn_well_formed(final)
+        keys = [k for k in sorted(q["options"]) if k <= letter]
+        copied = "Options:\n" + "\n".join(f"{k}. {q['options'][k]}" for k in keys)
+        assert f"\n{copied} yes." in final and final.count("Options:\n") == 1
+        prompt = tok.encode(user_message(q), add_special_tokens=False)
+        copy_ids = tok.encode(copied, add_special_tokens=False)
+        assert _contains(prompt, copy_ids) and _contains(tok.encode(final, add_special_tokens=False), copy_ids)
+        letters.add(letter)
+    assert len(letters) >= 2, "the questions should not all share one gold letter"
 
 
 def test_prompt_is_the_parquet_rows_user_message(built) -> None:

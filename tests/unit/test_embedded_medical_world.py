@@ -222,3 +222,26 @@ def test_option_checks_walk_the_options_in_letter_order_up_to_the_gold_one() -> 
     assert [c.split(".")[0] for c in option_checks(options, "D")] == ["A", "B", "C", "D"]
     with pytest.raises(ValueError, match="gold letter 'E' is not among the options"):
         option_checks(options, "E")
+
+
+def test_option_block_is_the_prompts_option_block_up_to_the_gold_line() -> None:
+    from sorl_verl.agent.prompts import mcq_prompt
+    from sorl_verl.embedded.medical_trajectories import option_block
+
+    options = {"B": "Kexapril", "A": "Saqys receptor blockade", "C": "liver", "D": "Drakitis"}
+    assert option_block(options, "A") == "Options:\nA. Saqys receptor blockade yes."
+    assert option_block(options, "C") == "Options:\nA. Saqys receptor blockade\nB. Kexapril\nC. liver yes."
+    prompt = mcq_prompt("Which drug treats Dysypathy?", options)
+    for letter in options:
+        copied = option_block(options, letter).removesuffix(" yes.")
+        assert f"\n{copied}\n" in prompt and copied.endswith(f"{letter}. {options[letter]}")
+    with pytest.raises(ValueError, match="gold letter 'E' is not among the options"):
+        option_block(options, "E")
+
+
+def test_expert_segments_reject_an_unknown_check_style() -> None:
+    from sorl_verl.embedded.medical_trajectories import expert_segments
+
+    q = {"hop_queries": ["X"], "chain": [], "answer_idx": "A", "options": {"A": "x"}, "answer": "x"}
+    with pytest.raises(ValueError, match="checks must be one of"):
+        expert_segments(q, lambda query: "", checks="table")
