@@ -15,10 +15,11 @@ the real retriever. The final thought's option checks come in three styles (:dat
 - ``lines``: each check on its own line, ``...answer A.\\nA. text no.\\nL. A yes.``, so its
   ``L. text`` tokens are the prompt's option line token for token;
 - ``block``: the prompt's option block copied verbatim up to the gold option, then ``yes``:
-  ``...answer A.\\nOptions:\\nA. text\\nL. A yes.`` (:func:`option_block`). Each token of the copy
-  follows the token before it in the prompt, a plain forward copy; ``lines`` must jump to the text
-  after ``\\nB.`` once per line, behind a ``no.`` the prompt does not hold.
- Policy segments have loss mask 1, prompt and
+  ``...answer A.\\nOptions:\\nA. text\\nL. A yes.`` (:func:`option_block`), one contiguous run of the
+  prompt's tokens.
+
+All three leave the warm-start at chance (docs/embedded-default.md): the first token of each option
+text follows ``L`` ``.``, found only by a two-token match. Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
 
@@ -77,9 +78,9 @@ def option_checks(options: dict[str, str], letter: str) -> list[str]:
 def option_block(options: dict[str, str], letter: str) -> str:
     """``"Options:\\nA. text\\n...\\nL. text yes."``: the prompt's option block (``mcq_prompt``) up to the gold line.
 
-    Everything before ``" yes."`` is a contiguous piece of the prompt, so writing it is a forward
-    copy; where to stop is the one decision (the line whose text is the answer just read), and the
-    answer letter is then the last letter written.
+    Everything before ``" yes."`` is a contiguous piece of the prompt; where to stop is the one
+    decision (the line whose text is the answer just read), and the answer letter is then the last
+    letter written.
     """
     if letter not in options:
         raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
