@@ -40,7 +40,20 @@ def actor(scope: str) -> ActorConfig:
 
 
 # Runs in each rank's own interpreter (a pytest test module cannot be pickled by name).
-RANK_SCRIPT = """
+#: how every rank script ends: a barrier (both ranks are past their last collective), the result
+#: line flushed, then ``os._exit(0)``. Tearing gloo down (``destroy_process_group`` or interpreter
+#: exit) can abort a rank with "terminate called without an active exception" after the work is
+#: done; the result is what the tests check, so the ranks leave without that teardown.
+FINISH = """
+import os as _os, sys as _sys, torch.distributed as _dist
+def finish(line):
+    _dist.barrier()
+    print(line, flush=True)
+    _sys.stderr.flush()
+    _os._exit(0)
+"""
+
+RANK_SCRIPT = FINISH + """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
@@ -54,8 +67,7 @@ for scope in ("global", "micro_batch"):
                          policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5, clip_norm_reference="absolute"))
     _, metrics = compute_policy_loss_so_grpo(old, new, adv, mask, "token-mean", config)
     out[scope] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
-dist.destroy_process_group()
-print("RESULT" + json.dumps(out))
+finish("RESULT" + json.dumps(out))
 """
 
 
@@ -101,7 +113,7 @@ def test_global_scope_equals_micro_batch_scope_over_the_union(tmp_path):
 
 # 4 ranks laid out like pipeline parallelism with 2 stages x 2 data-parallel ranks: only the last
 # stage (ranks 2, 3) computes the loss, so the reduction must stay inside its data-parallel group.
-PIPELINE_SCRIPT = """
+PIPELINE_SCRIPT = FINISH + """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
@@ -119,8 +131,7 @@ if rank >= 2:
     _, metrics = compute_policy_loss_so_grpo(old, new, adv, mask, "token-mean", config)
     out["global"] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
 dist.barrier()
-dist.destroy_process_group()
-print("RESULT" + json.dumps(out))
+finish("RESULT" + json.dumps(out))
 """
 
 
@@ -138,7 +149,7 @@ def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_com
 
 # Two data-parallel ranks with different normalizers in one optimizer step: the step factor is the
 # mean of 1/Z over both ranks' micro-batches, so every rank (and every FSDP shard) scales alike.
-OPTIMIZER_SCRIPT = """
+OPTIMIZER_SCRIPT = FINISH + """
 import json, sys, torch, torch.distributed as dist
 from sorl_verl.algorithms import optim
 rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -150,8 +161,7 @@ param.grad = torch.ones(4)
 for z in ([1.0, 1.0] if rank == 0 else [3.0, 2.0]):
     optim.LEDGER.record(1.0 / z, z, 0.0, 0.0)
 opt.step()
-dist.destroy_process_group()
-print("RESULT" + json.dumps({"scale": opt.last_update["scale"], "param": param.tolist()}))
+finish("RESULT" + json.dumps({"scale": opt.last_update["scale"], "param": param.tolist()}))
 """
 
 
