@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.embedded.medical_trajectories import CHECK_STYLES
+from sorl_verl.embedded.medical_trajectories import check_style
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
@@ -76,8 +76,7 @@ class MedicalEmbeddedConfig:
     num_threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.checks not in CHECK_STYLES:
-            raise ValueError(f"MedicalEmbeddedConfig.checks must be one of {CHECK_STYLES}, got {self.checks!r}")
+        check_style(self.checks, "MedicalEmbeddedConfig.checks")  # a bad style fails here, before any step is built
 
 
 def default_root() -> Path:

@@ -48,10 +48,16 @@ def _fact(rel: str, subject: str, value: str) -> str:
 CHECK_STYLES = ("inline", "lines", "block")
 
 
+def check_style(checks: str, name: str = "checks") -> str:
+    """``checks`` itself if it is one of :data:`CHECK_STYLES`, else ``ValueError`` naming ``name``."""
+    if checks not in CHECK_STYLES:
+        raise ValueError(f"{name} must be one of {CHECK_STYLES}, got {checks!r}")
+    return checks
+
+
 def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "inline") -> list[tuple[str, bool]]:
     """The scripted response as ``(text, is_policy)`` segments (EOS not included); ``checks`` in :data:`CHECK_STYLES`."""
-    if checks not in CHECK_STYLES:
-        raise ValueError(f"checks must be one of {CHECK_STYLES}, got {checks!r}")
+    check_style(checks)
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
     fact = _fact(chain[-1], hops[-1], question["answer"])
     if checks == "block":
@@ -61,18 +67,20 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "
     return expert_search_segments(question, _fact, observe, final, letter)
 
 
+def options_through(options: dict[str, str], letter: str) -> dict[str, str]:
+    """The options in letter order up to and including the gold ``letter`` (``ValueError`` if it is not one)."""
+    if letter not in options:
+        raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
+    return {key: options[key] for key in sorted(options) if key <= letter}
+
+
 def option_checks(options: dict[str, str], letter: str) -> list[str]:
     """``"A. text no."`` for each option before the gold one, then ``"L. text yes."`` (options in letter order).
 
     The answer letter is then the last letter written, and each line is a copy of a prompt line:
     a lookup a small model learns, unlike mapping the answer's text to its letter in one step.
     """
-    checks = []
-    for key, text in sorted(options.items()):
-        checks.append(f"{key}. {text} {'yes' if key == letter else 'no'}.")
-        if key == letter:
-            return checks
-    raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
+    return [f"{key}. {text} {'yes' if key == letter else 'no'}." for key, text in options_through(options, letter).items()]
 
 
 def option_block(options: dict[str, str], letter: str) -> str:
@@ -82,10 +90,7 @@ def option_block(options: dict[str, str], letter: str) -> str:
     decision (the line whose text is the answer just read), and the answer letter is then the last
     letter written.
     """
-    if letter not in options:
-        raise ValueError(f"gold letter {letter!r} is not among the options {sorted(options)}")
-    keys = [k for k in sorted(options) if k <= letter]
-    return "Options:\n" + option_lines({k: options[k] for k in keys}) + " yes."
+    return "Options:\n" + option_lines(options_through(options, letter)) + " yes."
 
 
 def sft_questions(
