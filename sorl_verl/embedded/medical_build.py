@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.embedded.medical_trajectories import check_style
+from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS, check_style
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
@@ -67,6 +67,9 @@ class MedicalEmbeddedConfig:
     #: (default), ``lines`` (one check per line, tokenized as the prompt's option line) or ``block``
     #: (the prompt's option block copied up to the gold line); docs/embedded-default.md has what each measured
     checks: str = "inline"
+    #: the option markers ``"\\nA."`` .. ``"\\nE."`` (``medical_trajectories.OPTION_MARKERS``) as whole tokens of
+    #: the tokenizer (an experiment, off: docs/embedded-default.md); enters the tokenizer's stamp only when set
+    letter_tokens: bool = False
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -214,8 +217,10 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
         return [user_message(q) for q in questions["train"]]
 
-    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size},
-                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size))  # fmt: skip
+    markers = OPTION_MARKERS if cfg.letter_tokens else ()
+    tok_inputs = {"world": world_stamp, "vocab": cfg.vocab_size, **({"letter_tokens": True} if markers else {})}
+    tok_stamp = step("tokenizer", paths.tokenizer_dir, tok_inputs,
+                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size, markers))  # fmt: skip
 
     def build_model(tmp: Path) -> None:
         with torch_threads(cfg.num_threads):

@@ -44,6 +44,11 @@ def _fact(rel: str, subject: str, value: str) -> str:
     return text[0].upper() + text[1:]
 
 
+#: the starts of the prompt's option lines (``mcq_prompt``: ``"...\\nA. text\\nB. text"``); with
+#: ``MedicalEmbeddedConfig.letter_tokens`` each is one token, so the first token of an option text
+#: follows a token that is unique in the prompt (a one-token lookup) instead of ``L`` ``.``
+OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")
+
 #: how the final thought checks the options (module docstring)
 CHECK_STYLES = ("inline", "lines", "block")
 

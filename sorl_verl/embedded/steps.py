@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,15 +123,18 @@ def build_bm25_step(corpus: Path, progress: bool) -> Callable[[Path], None]:
     return build
 
 
-def build_tokenizer_step(corpus: Path, prompts: Callable[[], list[str]], vocab_size: int) -> Callable[[Path], None]:
-    """A step that trains the tiny BPE tokenizer on the passages of ``corpus`` followed by ``prompts()``."""
+def build_tokenizer_step(
+    corpus: Path, prompts: Callable[[], list[str]], vocab_size: int, extra_tokens: Sequence[str] = ()
+) -> Callable[[Path], None]:
+    """A step that trains the tiny BPE tokenizer on the passages of ``corpus`` followed by ``prompts()``
+    (``extra_tokens``: whole tokens added to it, :func:`~sorl_verl.embedded.tokenizer.train_tokenizer`)."""
 
     def build(tmp: Path) -> None:
         from sorl_verl.embedded.tokenizer import train_tokenizer
         from sorl_verl.embedded.world import read_jsonl
 
         texts = [d["contents"] for d in read_jsonl(corpus)] + prompts()
-        train_tokenizer(texts, tmp, vocab_size=vocab_size)
+        train_tokenizer(texts, tmp, vocab_size=vocab_size, extra_tokens=extra_tokens)
 
     return build
 

@@ -23,7 +23,7 @@ turns), and ``<|assistant|>`` as the generation prompt.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from sorl_verl.agent import prompts
@@ -53,8 +53,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 3000):
-    """Train byte-level BPE on ``texts`` and save a ``PreTrainedTokenizerFast`` to ``out_dir``."""
+def train_tokenizer(
+    texts: Iterable[str], out_dir: str | Path, vocab_size: int = 3000, extra_tokens: Sequence[str] = ()
+):
+    """Train byte-level BPE on ``texts`` and save a ``PreTrainedTokenizerFast`` to ``out_dir``.
+
+    ``extra_tokens`` are added as whole (non-special) tokens after the agent tags, matched in any
+    text before pre-tokenization (e.g. the medical world's option markers ``"\\nA."``).
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
 
@@ -73,7 +79,8 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in TAG_TOKENS + PHRASE_TOKENS])
+    added = TAG_TOKENS + PHRASE_TOKENS + tuple(extra_tokens)
+    tok.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in added])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,

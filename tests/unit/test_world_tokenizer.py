@@ -74,3 +74,27 @@ def test_model_directory_loads_the_same_tokenization(tokenizer, world, tmp_path_
             + prompts.information_block(world.corpus[0]["contents"] + " Doc 1(Title: x) 2024, 3.5 ü"))
     assert as_model(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert as_model.eos_token_id == tokenizer.eos_token_id and as_model.pad_token_id == tokenizer.pad_token_id
+
+
+def test_extra_tokens_make_each_option_marker_one_token(tokenizer, world, tmp_path) -> None:
+    """``extra_tokens`` (the medical option markers ``\\nA.``..): each marker of an MCQ prompt is one
+    token that no other line shares, the option text is encoded as without them, and text round-trips."""
+    from transformers import AutoTokenizer
+
+    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS
+
+    texts = [d["contents"] for d in world.corpus] + [prompts.qa_prompt(q["question"]) for q in world.questions["train"]]
+    train_tokenizer(texts, tmp_path, vocab_size=1500, extra_tokens=OPTION_MARKERS)
+    marked = AutoTokenizer.from_pretrained(tmp_path)
+    names = [e.name for e in world.entities.values()][:5]
+    options = dict(zip("ABCDE", names, strict=True))
+    text = prompts.mcq_prompt("Which one?", options)
+    ids = marked(text, add_special_tokens=False)["input_ids"]
+    assert marked.decode(ids) == text
+    marker_ids = [marked.convert_tokens_to_ids(m) for m in OPTION_MARKERS]
+    assert len(set(marker_ids)) == 5 and all(ids.count(m) == 1 for m in marker_ids)
+    for marker, (letter, name) in zip(marker_ids, options.items(), strict=True):
+        after = ids[ids.index(marker) + 1 :][: len(marked(" " + name, add_special_tokens=False)["input_ids"])]
+        assert marked.decode(after) == " " + name, letter
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(plain) - 5 * (len(tokenizer("\nA.", add_special_tokens=False)["input_ids"]) - 1)
