@@ -50,7 +50,6 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     val_steps = [r["step"] for r in records if any(k.startswith("val-core/") for k in r["data"])]
     assert val_steps == [0, 2]
     assert any("actor/sorl/norm_factor" in r["data"] for r in records)
-    assert wall < 240, f"smoke study took {wall:.0f} s"
 
     again = study("--grid", str(GRID), "--out", str(out), "--lock", "none", timeout=120)
     assert again.returncode == 0 and f"[study 1/1 {KEY}] done, skipped" in again.stdout
