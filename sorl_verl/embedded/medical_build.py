@@ -68,7 +68,8 @@ class MedicalEmbeddedConfig:
     #: (the prompt's option block copied up to the gold line); docs/embedded-default.md has what each measured
     checks: str = "inline"
     #: the option markers ``"\\nA."`` .. ``"\\nE."`` (``medical_trajectories.OPTION_MARKERS``) as whole tokens of
-    #: the tokenizer (an experiment, off: docs/embedded-default.md); enters the tokenizer's stamp only when set
+    #: the tokenizer (an experiment, off: with ``checks="block"`` it stayed at chance after 1000 and 2000 SFT
+    #: steps, docs/embedded-default.md); enters the tokenizer's stamp only when set
     letter_tokens: bool = False
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25

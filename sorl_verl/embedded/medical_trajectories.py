@@ -19,7 +19,9 @@ the real retriever. The final thought's option checks come in three styles (:dat
   prompt's tokens.
 
 All three leave the warm-start at chance (docs/embedded-default.md): the first token of each option
-text follows ``L`` ``.``, found only by a two-token match. Policy segments have loss mask 1, prompt and
+text follows ``L`` ``.``, found only by a two-token match. ``block`` with the markers as whole tokens
+(:data:`OPTION_MARKERS`, ``MedicalEmbeddedConfig.letter_tokens``) is at chance as well: the model
+writes the answer's name after every marker instead of copying the prompt's option lines. Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
 
