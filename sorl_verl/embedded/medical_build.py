@@ -71,6 +71,10 @@ class MedicalEmbeddedConfig:
     #: the tokenizer (an experiment, off: with ``checks="block"`` it stayed at chance after 1000 and 2000 SFT
     #: steps, docs/embedded-default.md); enters the tokenizer's stamp only when set
     letter_tokens: bool = False
+    #: option drills added to the SFT data (:func:`~sorl_verl.embedded.medical_trajectories.option_drills`):
+    #: a prompt naming the answer, and the response that copies the option block up to its line. An
+    #: experiment for ``checks="block"`` (docs/embedded-default.md); enters the model's stamp only when > 0
+    option_drills: int = 0
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -81,6 +85,8 @@ class MedicalEmbeddedConfig:
 
     def __post_init__(self) -> None:
         check_style(self.checks, "MedicalEmbeddedConfig.checks")  # a bad style fails here, before any step is built
+        if self.option_drills < 0:
+            raise ValueError(f"MedicalEmbeddedConfig.option_drills must be >= 0, got {self.option_drills}")
 
 
 def default_root() -> Path:
@@ -230,7 +236,8 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
           "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "checks": cfg.checks, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
-          "max_turns": cfg.max_turns}, build_model)  # fmt: skip
+          "max_turns": cfg.max_turns, **({"drills": cfg.option_drills} if cfg.option_drills else {})},
+         build_model)  # fmt: skip
 
     record_build(paths, timings)
     return paths
@@ -245,7 +252,7 @@ def _warm_start(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, sft_questions
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, option_drills, sft_questions
     from sorl_verl.embedded.medical_world import generate_medical_world
     from sorl_verl.embedded.tiny_model import build_tiny_qwen2, save_model
     from sorl_verl.embedded.warmstart import make_observer, train_sft, warmstart_report
@@ -259,6 +266,7 @@ def _warm_start(
     for i in range(cfg.sft_twin_worlds):
         seed = world.config.seed + TWIN_SEED_OFFSET + i
         examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)
+    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

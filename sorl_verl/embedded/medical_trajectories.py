@@ -31,9 +31,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from sorl_verl.agent.prompts import mcq_prompt, option_lines
+from sorl_verl.agent.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, mcq_prompt, option_lines
 from sorl_verl.embedded.medical_world import RELATIONS, MedicalWorld
-from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments
+from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments, tokenize_trajectory
 
 
 def user_message(question: dict[str, Any]) -> str:
@@ -134,3 +134,44 @@ def build_medical_sft_examples(
     return build_sft_examples(
         tokenizer, questions, lambda q: expert_segments(q, observe, checks), user_message, progress
     )
+
+
+def drill_prompt(question: dict[str, Any]) -> str:
+    """The user message of an option drill: ``"Find <answer> among the options.\\nOptions:\\n<lines>\\n"``.
+
+    Its first words differ from the multiple-choice instruction (:func:`user_message`), so a drill
+    never answers an agent prompt; its option block is the prompt's, token for token.
+    """
+    return f"Find {question['answer']} among the options.\nOptions:\n{option_lines(question['options'])}\n"
+
+
+def drill_segments(question: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The drill's response: the agent's last turn with the answer in place of the fact (one policy segment).
+
+    ``<think> The answer is X.\\nOptions:\\nA. text\\n...\\nL. X yes. </think>\\n<answer> L </answer>``
+    (EOS not included): the copy of the option block up to the gold line (:func:`option_block`) that
+    ``checks="block"`` trajectories end with, after the same ``.`` and newline, as a dense exercise of
+    that copy and of where it stops.
+    """
+    letter = question["answer_idx"]
+    block = option_block(question["options"], letter)
+    thought = f"The answer is {question['answer']}.\n{block}"
+    return [(f"{THINK_OPEN} {thought} {THINK_CLOSE}\n{ANSWER_OPEN} {letter} {ANSWER_CLOSE}", True)]
+
+
+def option_drills(
+    tokenizer, world: MedicalWorld, questions: Sequence[dict[str, Any]], n: int, seed: int = 0
+) -> list[tuple[list[int], list[int]]]:
+    """``n`` option drills as ``(input_ids, loss_mask)``: questions drawn from ``questions`` with fresh options.
+
+    Each drill is :func:`drill_prompt` then :func:`drill_segments` of a question re-drawn with
+    :meth:`MedicalWorld.with_options` (``n`` draws with replacement, ``seed`` fixes them). No
+    retrieval: the drill is the option lookup alone.
+    """
+    if n < 0:
+        raise ValueError(f"the number of option drills must be >= 0, got {n}")
+    if n and not questions:
+        raise ValueError("option drills need at least one question to draw options for")
+    rng = random.Random(seed)
+    drills = [world.with_options(rng.choice(questions), rng, suffix=f"~drill{i}") for i in range(n)]
+    return [tokenize_trajectory(tokenizer, q["question"], drill_segments(q), prompt=drill_prompt(q)) for q in drills]

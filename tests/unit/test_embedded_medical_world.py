@@ -245,3 +245,68 @@ def test_expert_segments_reject_an_unknown_check_style() -> None:
     q = {"hop_queries": ["X"], "chain": [], "answer_idx": "A", "options": {"A": "x"}, "answer": "x"}
     with pytest.raises(ValueError, match="checks must be one of"):
         expert_segments(q, lambda query: "", checks="table")
+
+
+@pytest.fixture(scope="module")
+def marked_tokenizer(world, tmp_path_factory):
+    """A small tokenizer of the world with the option markers as whole tokens (``letter_tokens``)."""
+    from transformers import AutoTokenizer
+
+    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS, user_message
+    from sorl_verl.embedded.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("medtok")
+    texts = [d["contents"] for d in world.corpus] + [user_message(q) for q in world.questions["train"]]
+    train_tokenizer(texts, out, vocab_size=1500, extra_tokens=OPTION_MARKERS)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_option_drills_copy_the_agents_option_block_token_for_token(world, marked_tokenizer) -> None:
+    """A drill's prompt is not an agent prompt, its response is all policy, and the option block it
+    copies is the same token run as in the block-style agent trajectory of the same options."""
+    from sorl_verl.agent.prompts import THINK_CLOSE
+    from sorl_verl.embedded.medical_build import MedicalEmbeddedConfig
+    from sorl_verl.embedded.medical_trajectories import (
+        OPTION_MARKERS,
+        build_medical_sft_examples,
+        option_block,
+        option_drills,
+        user_message,
+    )
+
+    tok, train = marked_tokenizer, world.questions["train"]
+    drills = option_drills(tok, world, train, 12, seed=3)
+    assert len(drills) == 12 and drills == option_drills(tok, world, train, 12, seed=3)
+    assert drills != option_drills(tok, world, train, 12, seed=4)
+    assert option_drills(tok, world, train, 0) == []
+    with pytest.raises(ValueError, match="must be >= 0"):
+        option_drills(tok, world, train, -1)
+    with pytest.raises(ValueError, match="MedicalEmbeddedConfig.option_drills must be >= 0"):
+        MedicalEmbeddedConfig(option_drills=-1)  # before any build step
+
+    q = train[0]
+    [(ids, mask)] = option_drills(tok, world, [q], 1, seed=0)
+    prompt = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    response = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert f"Find {q['answer']} among the options.\nOptions:\n" in prompt
+    assert "Answer the multiple-choice question" not in prompt  # user_message's instruction
+    options = {line[0]: line[3:] for line in prompt.split("Options:\n", 1)[1].split("\n") if line[1:3] == ". "}
+    letter = next(k for k, v in options.items() if v == q["answer"])
+    assert len(options) >= 4 and response[-1] == tok.eos_token_id
+    assert tok.decode(response[:-1]) == (
+        f"<think> The answer is {q['answer']}.\n{option_block(options, letter)} </think>\n<answer> {letter} </answer>"
+    )
+
+    # the block-style agent trajectory of the same question and options ends with the same token run
+    drawn = {**q, "options": options, "answer_idx": letter}
+    [(agent_ids, agent_mask)] = build_medical_sft_examples(tok, [drawn], lambda qs: [""] * len(qs), False, "block")
+    assert user_message(drawn) in tok.decode([t for t, m in zip(agent_ids, agent_mask, strict=True) if not m])
+
+    def block_run(seq: list[int]) -> list[int]:
+        first = max(i for i, t in enumerate(seq) if t == tok.convert_tokens_to_ids(OPTION_MARKERS[0]))
+        end = max(i for i, t in enumerate(seq) if t == tok.convert_tokens_to_ids(THINK_CLOSE))
+        return seq[first - 2 : end]
+
+    agent_response = [t for t, m in zip(agent_ids, agent_mask, strict=True) if m]
+    assert block_run(response) == block_run(agent_response)
+    assert tok.decode(block_run(response)).endswith(f"{letter}. {q['answer']} yes. ")

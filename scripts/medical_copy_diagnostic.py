@@ -1,0 +1,87 @@
+"""Teacher-forced accuracy of a block-style medical warm-start at each step of its option copy.
+
+Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60]`` (a build made with
+``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``). For the first ``n`` train and val
+questions it feeds the expert trajectory and counts the greedy next-token hits, per position kind:
+
+- ``first_after_marker``: the first token of an option text after its marker ``\\nL.`` (the lookup
+  through the marker into the prompt);
+- ``rest_of_text``: the option text's other tokens;
+- ``marker_or_stop``: the token after an option text (the next marker, or `` yes`` at the gold line);
+- ``answer_letter``: the letter inside ``<answer>``;
+- ``before_block``: every other policy token before the block (searches, facts).
+
+Prints one line per split as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def copy_accuracy(model, tok, examples, questions) -> dict[str, list[int]]:
+    """``{kind: [hits, count]}`` over the examples' policy tokens (module docstring)."""
+    import torch
+
+    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS
+
+    markers = {tok.convert_tokens_to_ids(m) for m in OPTION_MARKERS}
+    yes = tok(" yes.", add_special_tokens=False)["input_ids"]
+    stats = {k: [0, 0] for k in ("first_after_marker", "rest_of_text", "marker_or_stop", "answer_letter", "before_block")}
+    for q, (ids, mask) in zip(questions, examples, strict=True):
+        with torch.no_grad():
+            pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        hit = [int(pred[t - 1] == ids[t]) for t in range(1, len(ids))]
+        start = min(t for t in range(len(ids)) if ids[t] in markers and mask[t])  # the block's first marker
+        stop = max(t for t in range(len(ids)) if ids[t : t + len(yes)] == yes)  # " yes." at the gold line
+        letter = next(t for t in range(stop, len(ids)) if mask[t] and tok.decode([ids[t]]).strip() == q["answer_idx"])
+        for t in range(1, len(ids)):
+            if not mask[t]:
+                continue
+            if t < start:
+                kind = "before_block"
+            elif t == letter:
+                kind = "answer_letter"
+            elif start < t <= stop and ids[t - 1] in markers:
+                kind = "first_after_marker"
+            elif start < t < stop and (ids[t] in markers or t == stop):
+                kind = "marker_or_stop"
+            elif start < t < stop:
+                kind = "rest_of_text"
+            elif t == stop:
+                kind = "marker_or_stop"
+            else:
+                continue
+            stats[kind][0] += hit[t - 1]
+            stats[kind][1] += 1
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("root", type=Path, help="a medical build (its model, tokenizer, index and world)")
+    p.add_argument("--n", type=int, default=60, help="questions per split (the first n)")
+    a = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
+    from sorl_verl.embedded.warmstart import make_observer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(a.root / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(a.root / "model").eval()
+    observe = make_observer(a.root / "index")
+    for split in ("train", "val"):
+        lines = (a.root / "world" / f"{split}.jsonl").read_text().splitlines()[: a.n]
+        qs = [json.loads(line) for line in lines]
+        stats = copy_accuracy(model, tok, build_medical_sft_examples(tok, qs, observe, False, "block"), qs)
+        rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
+        print(json.dumps({"build": a.root.name, "split": split, "n": len(qs), "accuracy": rates, "counts": stats}))
+
+
+if __name__ == "__main__":
+    main()
