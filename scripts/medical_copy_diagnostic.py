@@ -1,17 +1,20 @@
 """Teacher-forced accuracy of a block-style medical warm-start at each step of its option copy.
 
-Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60]`` (a build made with
-``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``). For the first ``n`` train and val
-questions it feeds the expert trajectory and counts the greedy next-token hits, per position kind:
+Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills]`` (a build made
+with ``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``). For the first ``n`` train and
+val questions it feeds the expert trajectory (with ``--drills`` also the option drill of the same
+question and options, ``medical_trajectories.drill_segments``) and counts the greedy next-token
+hits, per position kind:
 
 - ``first_after_marker``: the first token of an option text after its marker ``\\nL.`` (the lookup
   through the marker into the prompt);
 - ``rest_of_text``: the option text's other tokens;
 - ``marker_or_stop``: the token after an option text (the next marker, or `` yes`` at the gold line);
 - ``answer_letter``: the letter inside ``<answer>``;
-- ``before_block``: every other policy token before the block (searches, facts).
+- ``before_block``: every other policy token before the block (searches, facts; in a drill, its
+  ``The answer is X.`` line).
 
-Prints one line per split as JSON.
+Prints one line per split (and kind of example) as JSON.
 """
 
 from __future__ import annotations
@@ -63,13 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path, help="a medical build (its model, tokenizer, index and world)")
     p.add_argument("--n", type=int, default=60, help="questions per split (the first n)")
+    p.add_argument("--drills", action="store_true", help="also score the option drills of the same questions")
     a = p.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
-    from sorl_verl.embedded.warmstart import make_observer
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, drill_prompt, drill_segments
+    from sorl_verl.embedded.warmstart import make_observer, tokenize_trajectory
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(a.root / "tokenizer")
@@ -78,9 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     for split in ("train", "val"):
         lines = (a.root / "world" / f"{split}.jsonl").read_text().splitlines()[: a.n]
         qs = [json.loads(line) for line in lines]
-        stats = copy_accuracy(model, tok, build_medical_sft_examples(tok, qs, observe, False, "block"), qs)
-        rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
-        print(json.dumps({"build": a.root.name, "split": split, "n": len(qs), "accuracy": rates, "counts": stats}))
+        kinds = {"agent": build_medical_sft_examples(tok, qs, observe, False, "block")}
+        if a.drills:
+            kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q), drill_prompt(q)) for q in qs]
+        for kind, examples in kinds.items():
+            stats = copy_accuracy(model, tok, examples, qs)
+            rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
+            row = {"build": a.root.name, "split": split, "examples": kind, "n": len(qs), "accuracy": rates}
+            print(json.dumps({**row, "counts": stats}))
 
 
 if __name__ == "__main__":
