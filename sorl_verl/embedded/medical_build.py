@@ -64,8 +64,9 @@ class MedicalEmbeddedConfig:
     #: left greedy success at chance (0.19, n = 90) and costs ~15 CPU-minutes (docs/embedded-default.md)
     sft_twin_worlds: int = 0
     #: how the final thought checks the options, one of ``medical_trajectories.CHECK_STYLES``: ``inline``
-    #: (default), ``lines`` (one check per line, tokenized as the prompt's option line) or ``block``
-    #: (the prompt's option block copied up to the gold line); docs/embedded-default.md has what each measured
+    #: (default), ``lines`` (one check per line, tokenized as the prompt's option line), ``block``
+    #: (the prompt's option block copied up to the gold line) or ``tag`` (no checks: the letter after the
+    #: answer's name in the last fact); docs/embedded-default.md has what each measured
     checks: str = "inline"
     #: the option markers ``"\\nA."`` .. ``"\\nE."`` (``medical_trajectories.OPTION_MARKERS``) as whole tokens of
     #: the tokenizer (an experiment, off: with ``checks="block"`` it stayed at chance after 1000 and 2000 SFT

@@ -9,16 +9,19 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
 
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
 checked in letter order up to the gold one, :func:`option_checks`) and the observations come from
-the real retriever. The final thought's option checks come in three styles (:data:`CHECK_STYLES`):
+the real retriever. The final thought's option checks come in four styles (:data:`CHECK_STYLES`):
 
 - ``inline`` (default): ``...answer A. A. text no. L. A yes.``;
 - ``lines``: each check on its own line, ``...answer A.\\nA. text no.\\nL. A yes.``, so its
   ``L. text`` tokens are the prompt's option line token for token;
 - ``block``: the prompt's option block copied verbatim up to the gold option, then ``yes``:
   ``...answer A.\\nOptions:\\nA. text\\nL. A yes.`` (:func:`option_block`), one contiguous run of the
-  prompt's tokens.
+  prompt's tokens;
+- ``tag``: no checks, the fact names the answer and its letter, ``...answer A (L).`` (:func:`tagged_fact`):
+  the letter follows the name it belongs to, as the marker precedes it in the prompt's option line, so
+  it is one reverse lookup (find the name just written among the option lines, read their marker).
 
-All three leave the warm-start at chance (docs/embedded-default.md): the first token of each option
+``inline``, ``lines`` and ``block`` leave the warm-start at chance (docs/embedded-default.md): the first token of each option
 text follows ``L`` ``.``, found only by a two-token match. ``block`` with the markers as whole tokens
 (:data:`OPTION_MARKERS`, ``MedicalEmbeddedConfig.letter_tokens``) is at chance as well: the model
 writes the answer's name after every marker instead of copying the prompt's option lines. Policy segments have loss mask 1, prompt and
@@ -52,7 +55,7 @@ def _fact(rel: str, subject: str, value: str) -> str:
 OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")
 
 #: how the final thought checks the options (module docstring)
-CHECK_STYLES = ("inline", "lines", "block")
+CHECK_STYLES = ("inline", "lines", "block", "tag")
 
 
 def check_style(checks: str, name: str = "checks") -> str:
@@ -69,6 +72,8 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "
     fact = _fact(chain[-1], hops[-1], question["answer"])
     if checks == "block":
         final = f"{fact}\n{option_block(question['options'], letter)}"
+    elif checks == "tag":
+        final = tagged_fact(fact, question["answer"], letter)
     else:
         final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, letter)
@@ -88,6 +93,17 @@ def option_checks(options: dict[str, str], letter: str) -> list[str]:
     a lookup a small model learns, unlike mapping the answer's text to its letter in one step.
     """
     return [f"{key}. {text} {'yes' if key == letter else 'no'}." for key, text in options_through(options, letter).items()]
+
+
+def tagged_fact(fact: str, answer: str, letter: str) -> str:
+    """``fact`` (which ends with ``"<answer>."``) with the answer's option letter after its name: ``"... answer (L)."``.
+
+    The one decision is the letter, written right after the name it belongs to: the token before
+    ``L`` is the name's last token, and in the prompt the name's line starts with marker ``L``.
+    """
+    if not fact.endswith(f" {answer}."):
+        raise ValueError(f"the fact {fact!r} does not end with the answer {answer!r}")
+    return f"{fact[:-1]} ({letter})."
 
 
 def option_block(options: dict[str, str], letter: str) -> str:

@@ -201,6 +201,28 @@ def test_check_block_is_one_contiguous_token_copy_of_the_prompt(built) -> None:
     assert len(letters) >= 2, "the questions should not all share one gold letter"
 
 
+def test_check_tag_writes_the_letter_after_the_answer_name(built) -> None:
+    """With ``checks="tag"`` the final thought is the last fact with ``(L)`` after the answer's name and no
+    option checks; the trajectory still parses, ends with the gold letter and scores 1 (0 with another)."""
+    observe = make_observer(built.index_dir)
+    letters = set()
+    for q in read_jsonl(built.questions["train"])[:12]:
+        tag, default = expert_segments(q, observe, checks="tag"), expert_segments(q, observe)
+        assert [t for t, _ in tag[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
+        letter, final = q["answer_idx"], tag[-1][0]
+        assert final.endswith(f" {q['answer']} ({letter}). </think>\n<answer> {letter} </answer>")
+        assert " yes." not in final and "Options:" not in final
+        assert parse_action(final).content == letter and turn_well_formed(final)
+        gt = {"target": [letter], "options": q["options"]}
+        response = "".join(text for text, _ in tag)
+        assert compute_score(data_source(q["type"]), response, gt)["score"] == 1.0
+        wrong = next(k for k in q["options"] if k != letter)
+        swapped = response[: response.rindex(letter)] + wrong + " </answer>"
+        assert compute_score(data_source(q["type"]), swapped, gt)["score"] == 0.0
+        letters.add(letter)
+    assert len(letters) >= 2, "the questions should not all share one gold letter"
+
+
 def test_prompt_is_the_parquet_rows_user_message(built) -> None:
     import pandas as pd
 

@@ -239,6 +239,17 @@ def test_option_block_is_the_prompts_option_block_up_to_the_gold_line() -> None:
         option_block(options, "E")
 
 
+def test_tagged_fact_puts_the_letter_after_the_answer_and_refuses_another_fact() -> None:
+    from sorl_verl.embedded.medical_trajectories import tagged_fact
+
+    assert (
+        tagged_fact("Forou plaques indicates Dorealgia.", "Dorealgia", "C") == "Forou plaques indicates Dorealgia (C)."
+    )
+    assert tagged_fact("Dysypathy affects the heart.", "heart", "A") == "Dysypathy affects the heart (A)."
+    with pytest.raises(ValueError, match="does not end with the answer 'Dorealgia'"):
+        tagged_fact("Dorealgia affects the heart.", "Dorealgia", "C")
+
+
 def test_expert_segments_reject_an_unknown_check_style() -> None:
     from sorl_verl.embedded.medical_trajectories import expert_segments
 
