@@ -1,7 +1,8 @@
-"""Teacher-forced accuracy of a block-style medical warm-start at each step of its option copy.
+"""Teacher-forced accuracy of a medical warm-start at each step of its option lookup.
 
-Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills]`` (a build made
-with ``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``). For the first ``n`` train and
+Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills] [--checks tag]`` (a
+build made with ``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``, or with
+``checks="tag"`` and ``--checks tag``). For the first ``n`` train and
 val questions it feeds the expert trajectory (with ``--drills`` also the option drill of the same
 question and options, ``medical_trajectories.drill_segments``) and counts the greedy next-token
 hits, per position kind:
@@ -14,7 +15,12 @@ hits, per position kind:
 - ``before_block``: every other policy token before the block (searches, facts; in a drill, its
   ``The answer is X.`` line).
 
-Prints one line per split (and kind of example) as JSON.
+With ``--checks tag`` the kinds are ``tag_letter`` (the letter in ``(L)`` after the answer's name, the
+reverse lookup), ``answer_letter`` and ``before_tag`` (every other policy token before it).
+
+Prints one line per split (and kind of example) as JSON, then one line ``embeddings``: the mean
+pairwise cosine of the input embeddings of the bare letters ``A``..``E``, of `` A``..`` E`` and of the
+markers ``\nA.``..``\nE.`` where each is one token (near 1: the model cannot tell them apart).
 """
 
 from __future__ import annotations
@@ -62,11 +68,49 @@ def copy_accuracy(model, tok, examples, questions) -> dict[str, list[int]]:
     return stats
 
 
+def tag_accuracy(model, tok, examples, questions) -> dict[str, list[int]]:
+    """``{kind: [hits, count]}`` for ``checks="tag"`` trajectories (module docstring)."""
+    import torch
+
+    stats = {k: [0, 0] for k in ("tag_letter", "answer_letter", "before_tag")}
+    for q, (ids, mask) in zip(questions, examples, strict=True):
+        with torch.no_grad():
+            pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        text = [tok.decode([i]) for i in ids]
+        letters = [t for t in range(1, len(ids)) if mask[t] and text[t].strip() == q["answer_idx"]]
+        tag = next(t for t in letters if text[t - 1].endswith("("))
+        for t in range(1, len(ids)):
+            if mask[t] and t <= letters[-1]:
+                kind = "tag_letter" if t == tag else "answer_letter" if t == letters[-1] else "before_tag"
+                stats[kind][0] += int(pred[t - 1] == ids[t])
+                stats[kind][1] += 1
+    return stats
+
+
+def letter_cosines(model, tok) -> dict[str, float | None]:
+    """Mean off-diagonal cosine of the input embeddings of each group of five letter tokens (module docstring)."""
+    import torch
+
+    weights = model.get_input_embeddings().weight.detach()
+    out: dict[str, float | None] = {}
+    for name, texts in (("letters", "ABCDE"), ("space_letters", [f" {c}" for c in "ABCDE"]),
+                        ("markers", [f"\n{c}." for c in "ABCDE"])):  # fmt: skip
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        ids = [i[0] for i in ids if len(i) == 1]
+        if len(ids) < 2:
+            out[name] = None
+            continue
+        v = torch.nn.functional.normalize(weights[ids], dim=-1)
+        out[name] = round(((v @ v.T).sum().item() - len(ids)) / (len(ids) ** 2 - len(ids)), 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path, help="a medical build (its model, tokenizer, index and world)")
     p.add_argument("--n", type=int, default=60, help="questions per split (the first n)")
     p.add_argument("--drills", action="store_true", help="also score the option drills of the same questions")
+    p.add_argument("--checks", choices=("block", "tag"), default="block", help="the build's check style")
     a = p.parse_args(argv)
 
     import torch
@@ -82,14 +126,16 @@ def main(argv: list[str] | None = None) -> None:
     for split in ("train", "val"):
         lines = (a.root / "world" / f"{split}.jsonl").read_text().splitlines()[: a.n]
         qs = [json.loads(line) for line in lines]
-        kinds = {"agent": build_medical_sft_examples(tok, qs, observe, False, "block")}
+        kinds = {"agent": build_medical_sft_examples(tok, qs, observe, False, a.checks)}
         if a.drills:
             kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q), drill_prompt(q)) for q in qs]
         for kind, examples in kinds.items():
-            stats = copy_accuracy(model, tok, examples, qs)
+            tag = a.checks == "tag" and kind == "agent"
+            stats = (tag_accuracy if tag else copy_accuracy)(model, tok, examples, qs)
             rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
             row = {"build": a.root.name, "split": split, "examples": kind, "n": len(qs), "accuracy": rates}
             print(json.dumps({**row, "counts": stats}))
+    print(json.dumps({"build": a.root.name, "embeddings": letter_cosines(model, tok)}))
 
 
 if __name__ == "__main__":

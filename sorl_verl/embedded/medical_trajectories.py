@@ -19,7 +19,10 @@ the real retriever. The final thought's option checks come in four styles (:data
   prompt's tokens;
 - ``tag``: no checks, the fact names the answer and its letter, ``...answer A (L).`` (:func:`tagged_fact`):
   the letter follows the name it belongs to, as the marker precedes it in the prompt's option line, so
-  it is one reverse lookup (find the name just written among the option lines, read their marker).
+  it is one reverse lookup (find the name just written among the option lines, read their marker);
+- ``gold_line``: the fact, then the prompt's option line of the answer, ``...answer A.\nL. A``
+  (:func:`gold_line`): the same reverse lookup, whose output is the line's marker itself (one token
+  of the prompt with ``letter_tokens``), then a copy of the name just written.
 
 ``inline``, ``lines`` and ``block`` leave the warm-start at chance (docs/embedded-default.md): the first token of each option
 text follows ``L`` ``.``, found only by a two-token match. ``block`` with the markers as whole tokens
@@ -55,7 +58,7 @@ def _fact(rel: str, subject: str, value: str) -> str:
 OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")
 
 #: how the final thought checks the options (module docstring)
-CHECK_STYLES = ("inline", "lines", "block", "tag")
+CHECK_STYLES = ("inline", "lines", "block", "tag", "gold_line")
 
 
 def check_style(checks: str, name: str = "checks") -> str:
@@ -74,6 +77,8 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "
         final = f"{fact}\n{option_block(question['options'], letter)}"
     elif checks == "tag":
         final = tagged_fact(fact, question["answer"], letter)
+    elif checks == "gold_line":
+        final = f"{fact}\n{gold_line(question['options'], letter)}"
     else:
         final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, letter)
@@ -104,6 +109,16 @@ def tagged_fact(fact: str, answer: str, letter: str) -> str:
     if not fact.endswith(f" {answer}."):
         raise ValueError(f"the fact {fact!r} does not end with the answer {answer!r}")
     return f"{fact[:-1]} ({letter})."
+
+
+def gold_line(options: dict[str, str], letter: str) -> str:
+    """``"L. text"``: the prompt's option line of the gold ``letter`` (``ValueError`` if it is not an option).
+
+    Written after the fact that ends with the answer's name, its marker ``\nL.`` is the token that
+    precedes that name in the prompt: the decision is copying it, and the letter is then the last
+    letter written.
+    """
+    return option_lines({letter: options_through(options, letter)[letter]})
 
 
 def option_block(options: dict[str, str], letter: str) -> str:
