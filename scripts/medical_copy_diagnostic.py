@@ -1,8 +1,8 @@
 """Teacher-forced accuracy of a medical warm-start at each step of its option lookup.
 
-Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills] [--checks tag]`` (a
+Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills] [--checks STYLE]`` (a
 build made with ``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``, or with
-``checks="tag"`` and ``--checks tag``). For the first ``n`` train and
+``checks="tag"`` / ``"gold_line"`` and the same ``--checks``). For the first ``n`` train and
 val questions it feeds the expert trajectory (with ``--drills`` also the option drill of the same
 question and options, ``medical_trajectories.drill_segments``) and counts the greedy next-token
 hits, per position kind:
@@ -15,12 +15,13 @@ hits, per position kind:
 - ``before_block``: every other policy token before the block (searches, facts; in a drill, its
   ``The answer is X.`` line).
 
-With ``--checks tag`` the kinds are ``tag_letter`` (the letter in ``(L)`` after the answer's name, the
-reverse lookup), ``answer_letter`` and ``before_tag`` (every other policy token before it).
+With ``--checks tag`` or ``--checks gold_line`` the kinds are ``decision`` (the letter in ``(L)`` after
+the answer's name, or the marker ``\\nL.`` of the answer's line: the reverse lookup), ``answer_letter``
+and ``before_decision`` (every other policy token up to the answer letter).
 
 Prints one line per split (and kind of example) as JSON, then one line ``embeddings``: the mean
 pairwise cosine of the input embeddings of the bare letters ``A``..``E``, of `` A``..`` E`` and of the
-markers ``\nA.``..``\nE.`` where each is one token (near 1: the model cannot tell them apart).
+markers ``\\nA.``..``\\nE.`` where each is one token (near 1: the model cannot tell them apart).
 """
 
 from __future__ import annotations
@@ -68,20 +69,26 @@ def copy_accuracy(model, tok, examples, questions) -> dict[str, list[int]]:
     return stats
 
 
-def tag_accuracy(model, tok, examples, questions) -> dict[str, list[int]]:
-    """``{kind: [hits, count]}`` for ``checks="tag"`` trajectories (module docstring)."""
+def decision_accuracy(model, tok, examples, questions, checks: str) -> dict[str, list[int]]:
+    """``{kind: [hits, count]}`` for ``checks="tag"`` or ``"gold_line"`` trajectories (module docstring)."""
     import torch
 
-    stats = {k: [0, 0] for k in ("tag_letter", "answer_letter", "before_tag")}
+    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS
+
+    markers = {tok.convert_tokens_to_ids(m) for m in OPTION_MARKERS}
+    stats = {k: [0, 0] for k in ("decision", "answer_letter", "before_decision")}
     for q, (ids, mask) in zip(questions, examples, strict=True):
         with torch.no_grad():
             pred = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
         text = [tok.decode([i]) for i in ids]
         letters = [t for t in range(1, len(ids)) if mask[t] and text[t].strip() == q["answer_idx"]]
-        tag = next(t for t in letters if text[t - 1].endswith("("))
-        for t in range(1, len(ids)):
-            if mask[t] and t <= letters[-1]:
-                kind = "tag_letter" if t == tag else "answer_letter" if t == letters[-1] else "before_tag"
+        if checks == "tag":
+            decision = next(t for t in letters if text[t - 1].endswith("("))
+        else:
+            decision = next(t for t in range(len(ids)) if mask[t] and ids[t] in markers)
+        for t in range(1, letters[-1] + 1):
+            if mask[t]:
+                kind = "decision" if t == decision else "answer_letter" if t == letters[-1] else "before_decision"
                 stats[kind][0] += int(pred[t - 1] == ids[t])
                 stats[kind][1] += 1
     return stats
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("root", type=Path, help="a medical build (its model, tokenizer, index and world)")
     p.add_argument("--n", type=int, default=60, help="questions per split (the first n)")
     p.add_argument("--drills", action="store_true", help="also score the option drills of the same questions")
-    p.add_argument("--checks", choices=("block", "tag"), default="block", help="the build's check style")
+    p.add_argument("--checks", choices=("block", "tag", "gold_line"), default="block", help="the build's check style")
     a = p.parse_args(argv)
 
     import torch
@@ -130,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         if a.drills:
             kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q), drill_prompt(q)) for q in qs]
         for kind, examples in kinds.items():
-            tag = a.checks == "tag" and kind == "agent"
-            stats = (tag_accuracy if tag else copy_accuracy)(model, tok, examples, qs)
+            if a.checks == "block" or kind == "drill":
+                stats = copy_accuracy(model, tok, examples, qs)
+            else:
+                stats = decision_accuracy(model, tok, examples, qs, a.checks)
             rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
             row = {"build": a.root.name, "split": split, "examples": kind, "n": len(qs), "accuracy": rates}
             print(json.dumps({**row, "counts": stats}))

@@ -223,6 +223,37 @@ def test_check_tag_writes_the_letter_after_the_answer_name(built) -> None:
     assert len(letters) >= 2, "the questions should not all share one gold letter"
 
 
+def test_copy_diagnostic_counts_one_decision_and_one_answer_letter_per_trajectory(built) -> None:
+    """``scripts/medical_copy_diagnostic.py`` on a real (small) build: per ``tag`` trajectory exactly one
+    decision and one answer letter, every other policy token up to the letter counted once, hits <= counts;
+    the letter embeddings' cosines are in [-1, 1], the markers absent (not whole tokens here)."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "medical_copy_diagnostic.py"
+    spec = importlib.util.spec_from_file_location("medical_copy_diagnostic", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    tok = AutoTokenizer.from_pretrained(built.tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(built.model_dir).eval()
+    qs = read_jsonl(built.questions["val"])[:6]
+    examples = build_medical_sft_examples(tok, qs, make_observer(built.index_dir), False, "tag")
+    stats = diag.decision_accuracy(model, tok, examples, qs, "tag")
+    assert stats["decision"][1] == stats["answer_letter"][1] == len(qs)
+    policy_through_letter = sum(
+        sum(m[: max(t for t in range(len(i)) if m[t] and tok.decode([i[t]]).strip() == q["answer_idx"]) + 1])
+        for q, (i, m) in zip(qs, examples, strict=True)
+    )
+    assert sum(c for _, c in stats.values()) == policy_through_letter
+    assert all(0 <= h <= c for h, c in stats.values())
+    cos = diag.letter_cosines(model, tok)
+    assert cos["markers"] is None and -1 <= cos["letters"] <= 1
+
+
 def test_prompt_is_the_parquet_rows_user_message(built) -> None:
     import pandas as pd
 

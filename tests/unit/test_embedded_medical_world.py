@@ -321,3 +321,33 @@ def test_option_drills_copy_the_agents_option_block_token_for_token(world, marke
     agent_response = [t for t, m in zip(agent_ids, agent_mask, strict=True) if m]
     assert block_run(response) == block_run(agent_response)
     assert tok.decode(block_run(response)).endswith(f"{letter}. {q['answer']} yes. ")
+
+
+def test_gold_line_is_the_answers_prompt_line_and_its_marker_precedes_the_name(world, marked_tokenizer) -> None:
+    """``checks="gold_line"``: the last thought is the fact then the gold option's prompt line; tokenized
+    with the markers as whole tokens, the decision token (the marker) follows the fact's ``.`` and
+    precedes the answer's name exactly as in the prompt's option line."""
+    from sorl_verl.agent.actions import parse_action, turn_well_formed
+    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS, expert_segments, gold_line, user_message
+
+    options = {"B": "Kexapril", "A": "Saqys receptor blockade", "C": "liver"}
+    assert gold_line(options, "B") == "B. Kexapril" and gold_line(options, "A") == "A. Saqys receptor blockade"
+    with pytest.raises(ValueError, match="gold letter 'D' is not among the options"):
+        gold_line(options, "D")
+
+    tok = marked_tokenizer
+    markers = {tok.convert_tokens_to_ids(m) for m in OPTION_MARKERS}
+    letters = set()
+    for q in world.questions["train"][:12]:
+        letter = q["answer_idx"]
+        final = expert_segments(q, lambda hops: ["" for _ in hops], checks="gold_line")[-1][0]
+        assert final.endswith(f" {q['answer']}.\n{letter}. {q['answer']} </think>\n<answer> {letter} </answer>")
+        assert parse_action(final).content == letter and turn_well_formed(final)
+        ids = tok(final, add_special_tokens=False)["input_ids"]
+        [at] = [i for i, t in enumerate(ids) if t in markers]
+        name = tok(f"\n{letter}. {q['answer']}", add_special_tokens=False)["input_ids"]
+        prompt = tok(user_message(q), add_special_tokens=False)["input_ids"]
+        assert ids[at : at + len(name)] == name and tok.decode(ids[at - 1]) == "."
+        assert any(prompt[i : i + len(name)] == name for i in range(len(prompt)))
+        letters.add(letter)
+    assert len(letters) >= 2
