@@ -236,7 +236,7 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
             _warm_start(cfg, paths, questions, tmp, progress)
 
     step("model", paths.model_dir,
-         {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
+         {"tokenizer": tok_stamp, "index": index_stamp, "spec": cfg.model.stamp(), "sft": asdict(cfg.sft),
           "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "checks": cfg.checks, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
           "max_turns": cfg.max_turns, **({"drills": cfg.option_drills} if cfg.option_drills else {})},
          build_model)  # fmt: skip
@@ -268,7 +268,8 @@ def _warm_start(
     for i in range(cfg.sft_twin_worlds):
         seed = world.config.seed + TWIN_SEED_OFFSET + i
         examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)
-    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed)
+    drill_style = "gold_line" if cfg.checks == "gold_line" else "block"
+    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed, checks=drill_style)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

@@ -176,26 +176,29 @@ def drill_prompt(question: dict[str, Any]) -> str:
     return f"Find {question['answer']} among the options.\nOptions:\n{option_lines(question['options'])}\n"
 
 
-def drill_segments(question: dict[str, Any]) -> list[tuple[str, bool]]:
+def drill_segments(question: dict[str, Any], checks: str = "block") -> list[tuple[str, bool]]:
     """The drill's response: the agent's last turn with the answer in place of the fact (one policy segment).
 
-    ``<think> The answer is X.\\nOptions:\\nA. text\\n...\\nL. X yes. </think>\\n<answer> L </answer>``
+    ``<think> The answer is X.\nOptions:\nA. text\n...\nL. X yes. </think>\n<answer> L </answer>``
     (EOS not included): the copy of the option block up to the gold line (:func:`option_block`) that
     ``checks="block"`` trajectories end with, after the same ``.`` and newline, as a dense exercise of
-    that copy and of where it stops.
+    that copy and of where it stops; with ``checks="gold_line"`` the answer's own line instead,
+    ``The answer is X.\nL. X`` (:func:`gold_line`), the same reverse lookup as the agent's last thought.
     """
+    if checks not in ("block", "gold_line"):
+        raise ValueError(f"option drills exist for checks 'block' and 'gold_line', got {checks!r}")
     letter = question["answer_idx"]
-    block = option_block(question["options"], letter)
-    thought = f"The answer is {question['answer']}.\n{block}"
+    lookup = option_block if checks == "block" else gold_line
+    thought = f"The answer is {question['answer']}.\n{lookup(question['options'], letter)}"
     return [(f"{THINK_OPEN} {thought} {THINK_CLOSE}\n{ANSWER_OPEN} {letter} {ANSWER_CLOSE}", True)]
 
 
 def option_drills(
-    tokenizer, world: MedicalWorld, questions: Sequence[dict[str, Any]], n: int, seed: int = 0
+    tokenizer, world: MedicalWorld, questions: Sequence[dict[str, Any]], n: int, seed: int = 0, checks: str = "block"
 ) -> list[tuple[list[int], list[int]]]:
     """``n`` option drills as ``(input_ids, loss_mask)``: questions drawn from ``questions`` with fresh options.
 
-    Each drill is :func:`drill_prompt` then :func:`drill_segments` of a question re-drawn with
+    Each drill is :func:`drill_prompt` then :func:`drill_segments` (``checks``) of a question re-drawn with
     :meth:`MedicalWorld.with_options` (``n`` draws with replacement, ``seed`` fixes them). No
     retrieval: the drill is the option lookup alone.
     """
@@ -205,4 +208,4 @@ def option_drills(
         raise ValueError("option drills need at least one question to draw options for")
     rng = random.Random(seed)
     drills = [world.with_options(rng.choice(questions), rng, suffix=f"~drill{i}") for i in range(n)]
-    return [tokenize_trajectory(tokenizer, q["question"], drill_segments(q), prompt=drill_prompt(q)) for q in drills]
+    return [tokenize_trajectory(tokenizer, q["question"], drill_segments(q, checks), prompt=drill_prompt(q)) for q in drills]

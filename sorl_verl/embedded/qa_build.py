@@ -142,7 +142,7 @@ def ensure_embedded_default(
 
     # early_stop enters the stamp only when set, so the expert builds made before it existed stay valid
     step("model", paths.model_dir,
-         {"tokenizer": tok_stamp, "index": index_stamp, "spec": asdict(cfg.model), "sft": asdict(cfg.sft),
+         {"tokenizer": tok_stamp, "index": index_stamp, "spec": cfg.model.stamp(), "sft": asdict(cfg.sft),
           "max_hops": cfg.sft_max_hops, **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {}), "eval": [cfg.eval_per_hop, list(cfg.eval_hops)], "topk": cfg.topk},
          build_model)  # fmt: skip
     record_build(paths, timings)

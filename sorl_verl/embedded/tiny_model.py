@@ -26,9 +26,19 @@ class TinyModelSpec:
     intermediate_size: int = 512
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    #: one matrix for input and output embeddings (Qwen2.5's small models) or two (its 7B)
+    tie_word_embeddings: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def stamp(self) -> dict[str, Any]:
+        """What a build stamp records: :meth:`as_dict` without ``tie_word_embeddings`` while it is the
+        default, so builds stamped before the field existed are still recognised."""
+        d = self.as_dict()
+        if d["tie_word_embeddings"]:
+            del d["tie_word_embeddings"]
+        return d
 
 
 #: the random models of tests: hidden 64, 2 layers, MLP 128
@@ -47,7 +57,6 @@ def build_tiny_qwen2(tokenizer, spec: TinyModelSpec | None = None, seed: int = 0
     spec = spec or TinyModelSpec()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
