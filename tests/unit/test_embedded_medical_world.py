@@ -351,3 +351,16 @@ def test_gold_line_is_the_answers_prompt_line_and_its_marker_precedes_the_name(w
         assert any(prompt[i : i + len(name)] == name for i in range(len(prompt)))
         letters.add(letter)
     assert len(letters) >= 2
+
+
+def test_gold_line_drill_is_the_agents_last_thought_with_the_answer_given(world) -> None:
+    from sorl_verl.embedded.medical_trajectories import drill_segments, expert_segments, gold_line
+
+    q = world.questions["train"][0]
+    [(text, policy)] = drill_segments(q, "gold_line")
+    letter, line = q["answer_idx"], gold_line(q["options"], q["answer_idx"])
+    assert policy and text == f"<think> The answer is {q['answer']}.\n{line} </think>\n<answer> {letter} </answer>"
+    agent = expert_segments(q, lambda hops: ["" for _ in hops], checks="gold_line")[-1][0]
+    assert agent.endswith(f".\n{line} </think>\n<answer> {letter} </answer>")
+    with pytest.raises(ValueError, match="option drills exist for checks 'block' and 'gold_line'"):
+        drill_segments(q, "inline")
