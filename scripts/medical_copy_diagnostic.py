@@ -4,7 +4,7 @@ Usage: ``python scripts/medical_copy_diagnostic.py BUILD_ROOT [--n 60] [--drills
 build made with ``MedicalEmbeddedConfig(checks="block", letter_tokens=True)``, or with
 ``checks="tag"`` / ``"gold_line"`` and the same ``--checks``). For the first ``n`` train and
 val questions it feeds the expert trajectory (with ``--drills`` also the option drill of the same
-question and options, ``medical_trajectories.drill_segments``) and counts the greedy next-token
+question and options, ``medical_trajectories.drill_segments``, in the ``gold_line`` form for ``--checks gold_line``) and counts the greedy next-token
 hits, per position kind:
 
 - ``first_after_marker``: the first token of an option text after its marker ``\\nL.`` (the lookup
@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         qs = [json.loads(line) for line in lines]
         kinds = {"agent": build_medical_sft_examples(tok, qs, observe, False, a.checks)}
         if a.drills:
-            kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q), drill_prompt(q)) for q in qs]
+            style = "gold_line" if a.checks == "gold_line" else "block"
+            kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q, style), drill_prompt(q)) for q in qs]
         for kind, examples in kinds.items():
-            if a.checks == "block" or kind == "drill":
+            if a.checks == "block" or (kind == "drill" and a.checks == "tag"):
                 stats = copy_accuracy(model, tok, examples, qs)
             else:
                 stats = decision_accuracy(model, tok, examples, qs, a.checks)

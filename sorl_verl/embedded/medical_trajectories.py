@@ -22,7 +22,10 @@ the real retriever. The final thought's option checks come in four styles (:data
   it is one reverse lookup (find the name just written among the option lines, read their marker);
 - ``gold_line``: the fact, then the prompt's option line of the answer, ``...answer A.\nL. A``
   (:func:`gold_line`): the same reverse lookup, whose output is the line's marker itself (one token
-  of the prompt with ``letter_tokens``), then a copy of the name just written.
+  of the prompt with ``letter_tokens``), then a copy of the name just written;
+- ``text``: no checks and no letter, ``...answer A. </think>\n<answer> A </answer>``: the answer is the
+  option's text, which the MCQ reward reads as that option (:mod:`sorl_verl.rewards.mcq`, rule 3),
+  though the instruction asks for the letter. No option lookup at all.
 
 ``inline``, ``lines`` and ``block`` leave the warm-start at chance (docs/embedded-default.md): the first token of each option
 text follows ``L`` ``.``, found only by a two-token match. ``block`` with the markers as whole tokens
@@ -58,7 +61,7 @@ def _fact(rel: str, subject: str, value: str) -> str:
 OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")
 
 #: how the final thought checks the options (module docstring)
-CHECK_STYLES = ("inline", "lines", "block", "tag", "gold_line")
+CHECK_STYLES = ("inline", "lines", "block", "tag", "gold_line", "text")
 
 
 def check_style(checks: str, name: str = "checks") -> str:
@@ -79,6 +82,8 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "
         final = tagged_fact(fact, question["answer"], letter)
     elif checks == "gold_line":
         final = f"{fact}\n{gold_line(question['options'], letter)}"
+    elif checks == "text":
+        return expert_search_segments(question, _fact, observe, fact, question["answer"])
     else:
         final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, letter)
