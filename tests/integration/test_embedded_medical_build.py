@@ -223,6 +223,25 @@ def test_check_tag_writes_the_letter_after_the_answer_name(built) -> None:
     assert len(letters) >= 2, "the questions should not all share one gold letter"
 
 
+def test_check_text_answers_with_the_options_text_and_the_mcq_reward_reads_it(built) -> None:
+    """With ``checks="text"`` the last thought is the fact and the answer is the gold option's text: it
+    scores 1 under the MCQ reward, another option's text 0, and the text of no option 0."""
+    observe = make_observer(built.index_dir)
+    for q in read_jsonl(built.questions["train"])[:12]:
+        text, default = expert_segments(q, observe, checks="text"), expert_segments(q, observe)
+        assert [t for t, _ in text[:-1]] == [t for t, _ in default[:-1]], "only the final turn changes"
+        final = text[-1][0]
+        assert final.endswith(f" {q['answer']}. </think>\n<answer> {q['answer']} </answer>")
+        assert parse_action(final).content == q["answer"] and turn_well_formed(final)
+        gt = {"target": [q["answer_idx"]], "options": q["options"]}
+        response = "".join(t for t, _ in text)
+        assert compute_score(data_source(q["type"]), response, gt)["score"] == 1.0
+        head = response[: response.rindex("<answer>")]
+        other = next(v for k, v in q["options"].items() if k != q["answer_idx"])
+        assert compute_score(data_source(q["type"]), f"{head}<answer> {other} </answer>", gt)["score"] == 0.0
+        assert compute_score(data_source(q["type"]), f"{head}<answer> Nothing </answer>", gt)["score"] == 0.0
+
+
 def test_copy_diagnostic_counts_one_decision_and_one_answer_letter_per_trajectory(built) -> None:
     """``scripts/medical_copy_diagnostic.py`` on a real (small) build: per ``tag`` trajectory exactly one
     decision and one answer letter, every other policy token up to the letter counted once, hits <= counts;
