@@ -9,8 +9,9 @@ inputs, so changing a parameter rebuilds that step and everything downstream::
     data/       {split}.parquet, {split}_{type}.parquet             (rows of records.mcq_record)
     index/      BM25 index of the corpus                            (sorl_verl.retrieval.build.build_index)
     tokenizer/  byte-level BPE + chat template                      (tokenizer.train_tokenizer)
-    model/      tiny Qwen2ForCausalLM SFT warm-started on expert trajectories ending with an option
-                letter, tokenizer files and warmstart.json (losses, timings, greedy and T=1 success)
+    model/      tiny Qwen2ForCausalLM SFT warm-started on expert trajectories that answer with the gold
+                option's text (``checks``), tokenizer files and warmstart.json (losses, timings, greedy
+                and T=1 success)
     report.json build seconds of each step and the warm-start report
 
 Progress goes to stderr.
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS, check_style
+from sorl_verl.embedded.medical_trajectories import DEFAULT_CHECKS, OPTION_MARKERS, check_style
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
@@ -63,11 +64,11 @@ class MedicalEmbeddedConfig:
     #: Off by default: an experiment (3 twins, 100 per type, 800 steps) taught the model to copy names but
     #: left greedy success at chance (0.19, n = 90) and costs ~15 CPU-minutes (docs/embedded-default.md)
     sft_twin_worlds: int = 0
-    #: how the final thought checks the options, one of ``medical_trajectories.CHECK_STYLES``: ``inline``
-    #: (default), ``lines`` (one check per line, tokenized as the prompt's option line), ``block``
-    #: (the prompt's option block copied up to the gold line) or ``tag`` (no checks: the letter after the
-    #: answer's name in the last fact); docs/embedded-default.md has what each measured
-    checks: str = "inline"
+    #: how the final turn names the answer, one of ``medical_trajectories.CHECK_STYLES``: ``text`` (default:
+    #: the option's text, read by the MCQ reward as that option), or a letter after option checks
+    #: (``inline``, ``lines``, ``block``), a tag (``tag``) or the answer's option line (``gold_line``); every
+    #: letter style left the warm-start at chance (docs/embedded-default.md has what each measured)
+    checks: str = DEFAULT_CHECKS
     #: the option markers ``"\\nA."`` .. ``"\\nE."`` (``medical_trajectories.OPTION_MARKERS``) as whole tokens of
     #: the tokenizer (an experiment, off: with ``checks="block"`` it stayed at chance after 1000 and 2000 SFT
     #: steps, docs/embedded-default.md); enters the tokenizer's stamp only when set
@@ -149,7 +150,7 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
 
 
 def twin_world_examples(
-    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, checks: str = "inline"
+    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, checks: str = DEFAULT_CHECKS
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
 

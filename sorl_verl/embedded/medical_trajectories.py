@@ -60,8 +60,11 @@ def _fact(rel: str, subject: str, value: str) -> str:
 #: follows a token that is unique in the prompt (a one-token lookup) instead of ``L`` ``.``
 OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")
 
-#: how the final thought checks the options (module docstring)
+#: how the final turn names the answer (module docstring)
 CHECK_STYLES = ("inline", "lines", "block", "tag", "gold_line", "text")
+#: the default: the option's text as the answer, the only style whose warm-start is above chance
+#: (docs/embedded-default.md, "Medical: measured")
+DEFAULT_CHECKS = "text"
 
 
 def check_style(checks: str, name: str = "checks") -> str:
@@ -71,7 +74,7 @@ def check_style(checks: str, name: str = "checks") -> str:
     return checks
 
 
-def expert_segments(question: dict[str, Any], observe: Observer, checks: str = "inline") -> list[tuple[str, bool]]:
+def expert_segments(question: dict[str, Any], observe: Observer, checks: str = DEFAULT_CHECKS) -> list[tuple[str, bool]]:
     """The scripted response as ``(text, is_policy)`` segments (EOS not included); ``checks`` in :data:`CHECK_STYLES`."""
     check_style(checks)
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
@@ -164,7 +167,7 @@ def build_medical_sft_examples(
     questions: Sequence[dict[str, Any]],
     observe: Observer,
     progress: bool = True,
-    checks: str = "inline",
+    checks: str = DEFAULT_CHECKS,
 ) -> list[tuple[list[int], list[int]]]:
     """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
     return build_sft_examples(

@@ -109,7 +109,7 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
     train = read_jsonl(built.questions["train"])
     for qtype in QUESTION_TYPES:
         q = next(q for q in train if q["type"] == qtype)
-        segs = expert_segments(q, observe)
+        segs = expert_segments(q, observe, checks="inline")
         assert [p for _, p in segs] == [True, False] * q["hops"] + [True]
         actions = [parse_action(text) for text, policy in segs if policy]
         assert [(a.kind, a.content) for a in actions] == [("search", h) for h in q["hop_queries"]] + [
@@ -131,7 +131,7 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
         assert compute_score(data_source(qtype), swapped, gt)["score"] == 0.0
 
     q = next(q for q in train if q["hops"] == 2)
-    segs = expert_segments(q, observe)
+    segs = expert_segments(q, observe, checks="inline")
     tok = AutoTokenizer.from_pretrained(built.model_dir)  # what verl loads (a Qwen2Tokenizer)
     trained_with = AutoTokenizer.from_pretrained(built.tokenizer_dir)
     ids, mask = tokenize_trajectory(tok, q["question"], segs, prompt=user_message(q))
@@ -228,7 +228,7 @@ def test_check_text_answers_with_the_options_text_and_the_mcq_reward_reads_it(bu
     scores 1 under the MCQ reward, another option's text 0, and the text of no option 0."""
     observe = make_observer(built.index_dir)
     for q in read_jsonl(built.questions["train"])[:12]:
-        text, default = expert_segments(q, observe, checks="text"), expert_segments(q, observe)
+        text, default = expert_segments(q, observe, checks="text"), expert_segments(q, observe, checks="inline")
         assert [t for t, _ in text[:-1]] == [t for t, _ in default[:-1]], "only the final turn changes"
         final = text[-1][0]
         assert final.endswith(f" {q['answer']}. </think>\n<answer> {q['answer']} </answer>")
