@@ -1,38 +1,85 @@
-"""Drill-only probe: can the tiny model learn the reverse lookup at all? python probe.py NAME LR STEPS TIE [BATCH]"""
-import json, sys, time
+"""Drill-only probe: can the tiny model learn the reverse option lookup at all?
+
+    python drill_probe.py NAME LR STEPS TIE [--form dot|nodot|dense] [--batch 16]
+
+A fresh tiny model (``TinyModelSpec``, tied embeddings when TIE is 1) trained on 20,000 drills of
+the train questions, each ``Find X among the options.`` + the option block, and the response
+
+- ``dot`` (the ``gold_line`` drill): ``The answer is X.\\nL. X``;
+- ``nodot``: ``The answer is X\\nL. X`` (the marker predicted on the name's own position);
+- ``dense``: one ``Y.\\nK. Y`` line per option in a shuffled order, the gold one last,
+
+then ``<answer> L </answer>``. Every STEPS/5 steps it prints the greedy accuracy of the first marker
+of the response (one decision per drill) on 300 drills of val questions. Uses the tokenizer and
+world of a ``letter_tokens`` build (``$SORL_HOME/embedded_medical_gold_line``).
+"""
+
+import argparse
+import os
+import random
+import time
 from pathlib import Path
+
 import torch
-torch.set_num_threads(1)
-from transformers import AutoTokenizer
-from sorl_verl.embedded.medical_trajectories import option_drills, drill_segments, drill_prompt, OPTION_MARKERS
-from sorl_verl.embedded.medical_world import generate_medical_world, MedicalWorldConfig
-from sorl_verl.embedded.warmstart import train_sft, SFTConfig, tokenize_trajectory
-from sorl_verl.embedded.tiny_model import build_tiny_qwen2, TinyModelSpec
+
+from sorl_verl.agent.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
+from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS, drill_prompt
+from sorl_verl.embedded.medical_world import MedicalWorldConfig, generate_medical_world
+from sorl_verl.embedded.tiny_model import TinyModelSpec, build_tiny_qwen2
+from sorl_verl.embedded.warmstart import SFTConfig, tokenize_trajectory, train_sft
 from sorl_verl.embedded.world import read_jsonl
-name, lr, steps, tie = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-bs = int(sys.argv[5]) if len(sys.argv) > 5 else 16
-root = Path("/work/main/.sorl_cache/embedded_medical_gold_line")
-tok = AutoTokenizer.from_pretrained(root / "tokenizer")
-world = generate_medical_world(MedicalWorldConfig())
-train = read_jsonl(root / "world" / "train.jsonl"); val = read_jsonl(root / "world" / "val.jsonl")
-ex = option_drills(tok, world, train, 20000, seed=0, checks="gold_line")
-test = option_drills(tok, world, val, 300, seed=1, checks="gold_line")
-markers = {tok.convert_tokens_to_ids(m) for m in OPTION_MARKERS}
-def acc(model):
-    hits = 0
-    model.eval()
-    with torch.no_grad():
-        for ids, mask in test:
-            t = next(t for t in range(len(ids)) if mask[t] and ids[t] in markers)
-            hits += int(model(torch.tensor([ids[:t]])).logits[0, -1].argmax().item() == ids[t])
-    model.train()
-    return hits / len(test)
-model = build_tiny_qwen2(tok, TinyModelSpec(tie_word_embeddings=tie), seed=0)
-out = []
-t0 = time.time()
-chunk = steps // 5
-for k in range(5):
-    # continue training in chunks with a constant-ish schedule (warm-up only in the first)
-    train_sft(model, ex, tok.pad_token_id, SFTConfig(steps=chunk, batch_size=bs, lr=lr, warmup_steps=30 if k == 0 else 1, min_lr_ratio=1.0, seed=k), progress=False)
-    out.append(((k + 1) * chunk, round(acc(model), 3)))
-    print(name, out[-1], round(time.time() - t0), flush=True)
+
+
+def response(q: dict, form: str) -> str:
+    gold, ans = q["answer_idx"], q["answer"]
+    if form == "dense":
+        keys = [k for k in q["options"] if k != gold]
+        random.Random(q["id"]).shuffle(keys)
+        lines = "".join(f"{q['options'][k]}.\n{k}. {q['options'][k]}\n" for k in keys)
+        body = f"{lines}The answer is {ans}.\n{gold}. {ans}"
+    else:
+        body = f"The answer is {ans}{'.' if form == 'dot' else ''}\n{gold}. {ans}"
+    return f"{THINK_OPEN} {body} {THINK_CLOSE}\n{ANSWER_OPEN} {gold} {ANSWER_CLOSE}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("name")
+    p.add_argument("lr", type=float)
+    p.add_argument("steps", type=int)
+    p.add_argument("tie", choices=("0", "1"))
+    p.add_argument("--form", choices=("dot", "nodot", "dense"), default="dot")
+    p.add_argument("--batch", type=int, default=16)
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    root = Path(os.environ.get("SORL_HOME", ".sorl_cache")) / "embedded_medical_gold_line"
+    tok = AutoTokenizer.from_pretrained(root / "tokenizer")
+    world = generate_medical_world(MedicalWorldConfig())
+
+    def drills(questions: list, n: int, seed: int) -> list:
+        rng = random.Random(seed)
+        qs = [world.with_options(rng.choice(questions), rng, suffix=f"~d{i}") for i in range(n)]
+        return [tokenize_trajectory(tok, q["question"], [(response(q, a.form), True)], drill_prompt(q)) for q in qs]
+
+    train = drills(read_jsonl(root / "world" / "train.jsonl"), 20000, 0)
+    test = drills(read_jsonl(root / "world" / "val.jsonl"), 300, 1)
+    markers = {tok.convert_tokens_to_ids(m) for m in OPTION_MARKERS}
+    model = build_tiny_qwen2(tok, TinyModelSpec(tie_word_embeddings=a.tie == "1"), seed=0)
+    t0, chunk = time.time(), a.steps // 5
+    for k in range(5):  # warm-up in the first chunk only, then a constant lr
+        cfg = SFTConfig(steps=chunk, batch_size=a.batch, lr=a.lr, warmup_steps=30 if k == 0 else 1, min_lr_ratio=1.0, seed=k)
+        train_sft(model, train, tok.pad_token_id, cfg, progress=False)
+        model.eval()
+        with torch.no_grad():
+            hits = 0
+            for ids, mask in test:
+                t = next(t for t in range(len(ids)) if mask[t] and ids[t] in markers)
+                hits += int(model(torch.tensor([ids[:t]])).logits[0, -1].argmax().item() == ids[t])
+        model.train()
+        print(a.name, ((k + 1) * chunk, round(hits / len(test), 3)), round(time.time() - t0), flush=True)
+
+
+if __name__ == "__main__":
+    main()
