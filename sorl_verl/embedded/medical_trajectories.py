@@ -1,7 +1,7 @@
 """Warm-start expert trajectories for the medical world, in the search agent's tag format.
 
 After the chat-templated multiple-choice prompt (:func:`sorl_verl.agent.prompts.mcq_prompt`, the
-prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets::
+prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets (``inline`` style)::
 
     <think> I need to search E0. </think>\\n<search> E0 </search>       + information_block(top-k of E0)
     <think> R0 fact of E0 and E1. </think>\\n<search> E1 </search>       + information_block(top-k of E1)
@@ -9,9 +9,9 @@ prompt the parquet rows carry), a question over the chain ``R0 .. R(k-1)`` gets:
 
 where ``Ei`` are the question's ``hop_queries``, ``L`` is the gold option letter (the options are
 checked in letter order up to the gold one, :func:`option_checks`) and the observations come from
-the real retriever. The final thought's option checks come in four styles (:data:`CHECK_STYLES`):
+the real retriever. The final turn names the answer in one of six styles (:data:`CHECK_STYLES`):
 
-- ``inline`` (default): ``...answer A. A. text no. L. A yes.``;
+- ``inline``: ``...answer A. A. text no. L. A yes.``;
 - ``lines``: each check on its own line, ``...answer A.\\nA. text no.\\nL. A yes.``, so its
   ``L. text`` tokens are the prompt's option line token for token;
 - ``block``: the prompt's option block copied verbatim up to the gold option, then ``yes``:
@@ -20,17 +20,18 @@ the real retriever. The final thought's option checks come in four styles (:data
 - ``tag``: no checks, the fact names the answer and its letter, ``...answer A (L).`` (:func:`tagged_fact`):
   the letter follows the name it belongs to, as the marker precedes it in the prompt's option line, so
   it is one reverse lookup (find the name just written among the option lines, read their marker);
-- ``gold_line``: the fact, then the prompt's option line of the answer, ``...answer A.\nL. A``
+- ``gold_line``: the fact, then the prompt's option line of the answer, ``...answer A.\\nL. A``
   (:func:`gold_line`): the same reverse lookup, whose output is the line's marker itself (one token
   of the prompt with ``letter_tokens``), then a copy of the name just written;
-- ``text``: no checks and no letter, ``...answer A. </think>\n<answer> A </answer>``: the answer is the
+- ``text``: no checks and no letter, ``...answer A. </think>\\n<answer> A </answer>``: the answer is the
   option's text, which the MCQ reward reads as that option (:mod:`sorl_verl.rewards.mcq`, rule 3),
-  though the instruction asks for the letter. No option lookup at all.
+  though the instruction asks for the letter. No option lookup at all. The default
+  (:data:`DEFAULT_CHECKS`): the only style whose warm-start is above chance.
 
-``inline``, ``lines`` and ``block`` leave the warm-start at chance (docs/embedded-default.md): the first token of each option
-text follows ``L`` ``.``, found only by a two-token match. ``block`` with the markers as whole tokens
-(:data:`OPTION_MARKERS`, ``MedicalEmbeddedConfig.letter_tokens``) is at chance as well: the model
-writes the answer's name after every marker instead of copying the prompt's option lines. Policy segments have loss mask 1, prompt and
+Every letter style leaves the warm-start at chance (docs/embedded-default.md, "Medical: measured"): the
+tiny model does not learn to find the answer's name among the option lines and read its letter, in
+either direction, with or without the markers as whole tokens (:data:`OPTION_MARKERS`,
+``MedicalEmbeddedConfig.letter_tokens``). Policy segments have loss mask 1, prompt and
 observations 0 (:func:`sorl_verl.embedded.warmstart.tokenize_trajectory`).
 """
 
@@ -122,7 +123,7 @@ def tagged_fact(fact: str, answer: str, letter: str) -> str:
 def gold_line(options: dict[str, str], letter: str) -> str:
     """``"L. text"``: the prompt's option line of the gold ``letter`` (``ValueError`` if it is not an option).
 
-    Written after the fact that ends with the answer's name, its marker ``\nL.`` is the token that
+    Written after the fact that ends with the answer's name, its marker ``\\nL.`` is the token that
     precedes that name in the prompt: the decision is copying it, and the letter is then the last
     letter written.
     """
@@ -187,11 +188,11 @@ def drill_prompt(question: dict[str, Any]) -> str:
 def drill_segments(question: dict[str, Any], checks: str = "block") -> list[tuple[str, bool]]:
     """The drill's response: the agent's last turn with the answer in place of the fact (one policy segment).
 
-    ``<think> The answer is X.\nOptions:\nA. text\n...\nL. X yes. </think>\n<answer> L </answer>``
+    ``<think> The answer is X.\\nOptions:\\nA. text\\n...\\nL. X yes. </think>\\n<answer> L </answer>``
     (EOS not included): the copy of the option block up to the gold line (:func:`option_block`) that
     ``checks="block"`` trajectories end with, after the same ``.`` and newline, as a dense exercise of
     that copy and of where it stops; with ``checks="gold_line"`` the answer's own line instead,
-    ``The answer is X.\nL. X`` (:func:`gold_line`), the same reverse lookup as the agent's last thought.
+    ``The answer is X.\\nL. X`` (:func:`gold_line`), the same reverse lookup as the agent's last thought.
     """
     if checks not in ("block", "gold_line"):
         raise ValueError(f"option drills exist for checks 'block' and 'gold_line', got {checks!r}")
