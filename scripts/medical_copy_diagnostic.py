@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, drill_prompt, drill_segments
+    from sorl_verl.embedded.medical_trajectories import (
+        build_medical_sft_examples,
+        drill_prompt,
+        drill_segments,
+        drill_style,
+    )
     from sorl_verl.embedded.warmstart import make_observer, tokenize_trajectory
 
     torch.set_num_threads(1)
@@ -133,15 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     for split in ("train", "val"):
         lines = (a.root / "world" / f"{split}.jsonl").read_text().splitlines()[: a.n]
         qs = [json.loads(line) for line in lines]
-        kinds = {"agent": build_medical_sft_examples(tok, qs, observe, False, a.checks)}
+        kinds = {"agent": (a.checks, build_medical_sft_examples(tok, qs, observe, False, a.checks))}
         if a.drills:
-            style = "gold_line" if a.checks == "gold_line" else "block"
-            kinds["drill"] = [tokenize_trajectory(tok, q["question"], drill_segments(q, style), drill_prompt(q)) for q in qs]
-        for kind, examples in kinds.items():
-            if a.checks == "block" or (kind == "drill" and a.checks == "tag"):
+            style = drill_style(a.checks)
+            drills = [tokenize_trajectory(tok, q["question"], drill_segments(q, style), drill_prompt(q)) for q in qs]
+            kinds["drill"] = (style, drills)
+        for kind, (style, examples) in kinds.items():
+            if style == "block":
                 stats = copy_accuracy(model, tok, examples, qs)
             else:
-                stats = decision_accuracy(model, tok, examples, qs, a.checks)
+                stats = decision_accuracy(model, tok, examples, qs, style)
             rates = {k: round(h / c, 3) if c else None for k, (h, c) in stats.items()}
             row = {"build": a.root.name, "split": split, "examples": kind, "n": len(qs), "accuracy": rates}
             print(json.dumps({**row, "counts": stats}))

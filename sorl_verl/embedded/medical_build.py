@@ -255,7 +255,12 @@ def _warm_start(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, option_drills, sft_questions
+    from sorl_verl.embedded.medical_trajectories import (
+        build_medical_sft_examples,
+        drill_style,
+        option_drills,
+        sft_questions,
+    )
     from sorl_verl.embedded.medical_world import generate_medical_world
     from sorl_verl.embedded.tiny_model import build_tiny_qwen2, save_model
     from sorl_verl.embedded.warmstart import make_observer, train_sft, warmstart_report
@@ -269,8 +274,8 @@ def _warm_start(
     for i in range(cfg.sft_twin_worlds):
         seed = world.config.seed + TWIN_SEED_OFFSET + i
         examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)
-    drill_style = "gold_line" if cfg.checks == "gold_line" else "block"
-    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed, checks=drill_style)
+    style = drill_style(cfg.checks)
+    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed, checks=style)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

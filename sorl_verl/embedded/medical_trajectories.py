@@ -80,6 +80,7 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = D
     check_style(checks)
     hops, chain, letter = question["hop_queries"], question["chain"], question["answer_idx"]
     fact = _fact(chain[-1], hops[-1], question["answer"])
+    answer = letter
     if checks == "block":
         final = f"{fact}\n{option_block(question['options'], letter)}"
     elif checks == "tag":
@@ -87,10 +88,10 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = D
     elif checks == "gold_line":
         final = f"{fact}\n{gold_line(question['options'], letter)}"
     elif checks == "text":
-        return expert_search_segments(question, _fact, observe, fact, question["answer"])
+        final, answer = fact, question["answer"]
     else:
         final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
-    return expert_search_segments(question, _fact, observe, final, letter)
+    return expert_search_segments(question, _fact, observe, final, answer)
 
 
 def options_through(options: dict[str, str], letter: str) -> dict[str, str]:
@@ -183,6 +184,12 @@ def drill_prompt(question: dict[str, Any]) -> str:
     never answers an agent prompt; its option block is the prompt's, token for token.
     """
     return f"Find {question['answer']} among the options.\nOptions:\n{option_lines(question['options'])}\n"
+
+
+def drill_style(checks: str) -> str:
+    """The drill form that exercises the lookup of the agent's ``checks`` style: ``gold_line`` for
+    ``gold_line``, else ``block`` (the only other form drills have)."""
+    return "gold_line" if check_style(checks) == "gold_line" else "block"
 
 
 def drill_segments(question: dict[str, Any], checks: str = "block") -> list[tuple[str, bool]]:

@@ -354,7 +354,13 @@ def test_gold_line_is_the_answers_prompt_line_and_its_marker_precedes_the_name(w
 
 
 def test_gold_line_drill_is_the_agents_last_thought_with_the_answer_given(world) -> None:
-    from sorl_verl.embedded.medical_trajectories import drill_segments, expert_segments, gold_line
+    from sorl_verl.embedded.medical_trajectories import (
+        CHECK_STYLES,
+        drill_segments,
+        drill_style,
+        expert_segments,
+        gold_line,
+    )
 
     q = world.questions["train"][0]
     [(text, policy)] = drill_segments(q, "gold_line")
@@ -364,3 +370,6 @@ def test_gold_line_drill_is_the_agents_last_thought_with_the_answer_given(world)
     assert agent.endswith(f".\n{line} </think>\n<answer> {letter} </answer>")
     with pytest.raises(ValueError, match="option drills exist for checks 'block' and 'gold_line'"):
         drill_segments(q, "inline")
+    assert [drill_style(c) for c in CHECK_STYLES] == ["gold_line" if c == "gold_line" else "block" for c in CHECK_STYLES]
+    with pytest.raises(ValueError, match="checks must be one of"):
+        drill_style("table")

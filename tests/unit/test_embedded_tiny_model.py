@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import replace
 
 from sorl_verl.embedded.tiny_model import SMOKE_SPEC, TinyModelSpec, build_tiny_qwen2
 from sorl_verl.embedded.tokenizer import smoke_tokenizer
@@ -11,7 +11,7 @@ from sorl_verl.embedded.tokenizer import smoke_tokenizer
 def test_untied_embeddings_are_two_matrices_and_add_vocab_times_hidden_parameters() -> None:
     tok = smoke_tokenizer()
     tied = build_tiny_qwen2(tok, SMOKE_SPEC)
-    untied = build_tiny_qwen2(tok, TinyModelSpec(**{**asdict(SMOKE_SPEC), "tie_word_embeddings": False}))
+    untied = build_tiny_qwen2(tok, replace(SMOKE_SPEC, tie_word_embeddings=False))
     assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight
     assert untied.get_input_embeddings().weight is not untied.get_output_embeddings().weight
     n_tied, n_untied = (sum(p.numel() for p in m.parameters()) for m in (tied, untied))
