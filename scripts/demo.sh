@@ -10,7 +10,8 @@
 # learning recipe recipe/sorl/config/demo/early_stop.yaml (lr 3e-4 with warm-up and cosine decay, KL
 # loss to the warm-start, validation on all 300 questions), trained on the 1- and 2-hop questions;
 # or --warmstart expert (the study's and the tests', the overlay's settings, 30 steps; the medical
-# task's only one). docs/embedded-default.md; docs/results.md has every run. Starts the retrieval
+# task's default; its --warmstart early-stop has the QA recipe on all question types).
+# docs/embedded-default.md; docs/results.md has every run. Starts the retrieval
 # server on a free loopback port, runs `python -m verl.trainer.main_ppo` with
 # recipe/sorl/config/sorl_trainer.yaml + task/search_qa.yaml + platform/cpu.yaml, shows one progress
 # line per step, stops the server, and prints a summary table read from verl's metrics file.
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --warmstart) WARMSTART=$2; shift 2 ;;
     --warmstart=*) WARMSTART=${1#*=}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,7 +54,7 @@ case "$TASK" in
   *) echo "--task must be qa or medical (got $TASK)" >&2; exit 2 ;;
 esac
 # defaults per task: QA learns from the early-stop warm-start in 50 steps (docs/results.md, "The main
-# job learns"); the medical task has the expert warm-start only
+# job learns"); the medical task starts from the expert warm-start (its early-stop one: docs/embedded-default.md)
 if [ -z "$WARMSTART" ]; then
   if [ "$TASK" = qa ]; then WARMSTART=early-stop; else WARMSTART=expert; fi
 fi
@@ -73,11 +74,13 @@ echo "[demo] embedded default of task $TASK, warm-start $WARMSTART, under $SORL_
 PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART")  # a failed build stops here (set -e)
 eval "$PATHS"
 RECIPE_ARGS=()
-if [ "$TASK" = qa ] && [ "$WARMSTART" = early-stop ]; then
-  # the questions the warm-start has demonstrations for; 3-hop stays in validation
-  DATA_DIR=$(dirname "$TRAIN")
-  TRAIN="[$DATA_DIR/train_1hop.parquet,$DATA_DIR/train_2hop.parquet]"
+if [ "$WARMSTART" = early-stop ]; then
   RECIPE_ARGS=(+demo=early_stop)
+  if [ "$TASK" = qa ]; then
+    # the questions the warm-start has demonstrations for; 3-hop stays in validation
+    DATA_DIR=$(dirname "$TRAIN")
+    TRAIN="[$DATA_DIR/train_1hop.parquet,$DATA_DIR/train_2hop.parquet]"
+  fi
 fi
 
 RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-${TASK}-${WARMSTART}-$(date +%Y%m%d-%H%M%S)}

@@ -7,8 +7,8 @@ hydra task overlay (``+task=search_qa`` or ``+task=medical_mcq``). For shell scr
     eval "$(python -m sorl_verl.embedded.demo_paths medical)"
     # -> TRAIN=... VAL=... INDEX=... MODEL=... TASK_OVERLAY=medical_mcq (only these lines on stdout)
 
-``--warmstart NAME`` (QA only) picks a named warm-start of
-:data:`sorl_verl.embedded.qa_build.WARM_STARTS`, built under its own root. An unknown task or
+``--warmstart NAME`` picks a named warm-start of the task (``WARM_STARTS`` of
+:mod:`~sorl_verl.embedded.qa_build` or :mod:`~sorl_verl.embedded.medical_build`), built under its own root. An unknown task or
 warm-start name prints one error line and exits 2.
 """
 
@@ -44,16 +44,16 @@ class EmbeddedTask:
 
 
 def warmstart_names(task: str) -> list[str]:
-    """The named warm-starts of ``task`` (QA: ``qa_build.WARM_STARTS``; medical: ``expert``)."""
-    from sorl_verl.embedded.qa_build import WARM_STARTS
+    """The named warm-starts of ``task``: ``WARM_STARTS`` of ``qa_build`` or ``medical_build``."""
+    from sorl_verl.embedded import medical_build, qa_build
 
-    return sorted(WARM_STARTS) if task == "qa" else ["expert"]
+    return sorted((qa_build if task == "qa" else medical_build).WARM_STARTS)
 
 
 def embedded_task(task: str, progress: bool = True, warmstart: str = "expert") -> EmbeddedTask:
     """Build (first use) or load the embedded default of ``task``; build output goes to stderr.
 
-    ``warmstart``: a name of ``qa_build.WARM_STARTS`` (the medical task has only ``expert``).
+    ``warmstart``: a name of the task's ``WARM_STARTS`` (:func:`warmstart_names`), built under its own root.
     """
     from sorl_verl.cpu.chatml_alias import chatml_alias
 
@@ -68,9 +68,10 @@ def embedded_task(task: str, progress: bool = True, warmstart: str = "expert") -
             paths = ensure_embedded_default(default_root(warmstart), config=warmstart_config(warmstart),
                                             progress=progress)  # fmt: skip
         else:
-            from sorl_verl.embedded.medical_build import ensure_embedded_medical
+            from sorl_verl.embedded.medical_build import default_root, ensure_embedded_medical, warmstart_config
 
-            paths = ensure_embedded_medical(progress=progress)
+            paths = ensure_embedded_medical(default_root(warmstart), config=warmstart_config(warmstart),
+                                            progress=progress)  # fmt: skip
         model = chatml_alias(paths.model_dir)
     return EmbeddedTask(task, TASK_OVERLAYS[task], paths.parquet["train"], paths.parquet["val"], paths.index_dir, model)
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("task", help=f"one of {sorted(TASK_OVERLAYS)}")
     parser.add_argument("--quiet", action="store_true", help="no build progress bars")
-    parser.add_argument("--warmstart", default="expert", help="named warm-start (QA: expert or early-stop)")
+    parser.add_argument("--warmstart", default="expert", help="named warm-start: expert or early-stop")
     args = parser.parse_args(argv)
     if args.task not in TASK_OVERLAYS:
         print(f"demo_paths: unknown task {args.task!r}; choose from {sorted(TASK_OVERLAYS)}", file=sys.stderr)

@@ -34,6 +34,7 @@ from sorl_verl.embedded.steps import (
     build_lock,
     build_tokenizer_step,
     log,
+    named_warmstart,
     record_build,
     run_step,
     task_paths,
@@ -78,6 +79,9 @@ class MedicalEmbeddedConfig:
     #: experiment for ``checks="block"``, off: 3000 drills left greedy success at chance (0.24; the lookup
     #: was learned in the drills, not in the agent's turns, docs/embedded-default.md); in the model's stamp when > 0
     option_drills: int = 0
+    #: share of the two-hop demonstrations that stop after the first search and answer the bridge entity
+    #: (``medical_trajectories.early_stop_segments``, scored 0); in the model's stamp when > 0
+    early_stop_rate: float = 0.0
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
     eval_temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -90,12 +94,27 @@ class MedicalEmbeddedConfig:
         check_style(self.checks, "MedicalEmbeddedConfig.checks")  # a bad style fails here, before any step is built
         if self.option_drills < 0:
             raise ValueError(f"MedicalEmbeddedConfig.option_drills must be >= 0, got {self.option_drills}")
+        if not 0.0 <= self.early_stop_rate <= 1.0:
+            raise ValueError(f"MedicalEmbeddedConfig.early_stop_rate must be in [0, 1], got {self.early_stop_rate}")
 
 
-def default_root() -> Path:
+#: named warm-starts of the medical default -> ``early_stop_rate`` of their demonstrations: ``expert``
+#: (default) answers every question; ``early-stop``: 60 % of the two-hop ones answer the bridge entity
+#: after one search (as the QA default's ``early-stop``), so that RL has one decision to learn
+WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
+
+
+def default_root(warmstart: str = "expert") -> Path:
+    """``data_home()/embedded_medical`` for the expert warm-start, ``embedded_medical-<name>`` for another one."""
     from sorl_verl.paths import data_home
 
-    return data_home() / "embedded_medical"
+    named_warmstart(WARM_STARTS, warmstart)
+    return data_home() / ("embedded_medical" if warmstart == "expert" else f"embedded_medical-{warmstart}")
+
+
+def warmstart_config(warmstart: str) -> MedicalEmbeddedConfig:
+    """The build parameters of a named warm-start (the defaults but ``early_stop_rate``)."""
+    return MedicalEmbeddedConfig(early_stop_rate=named_warmstart(WARM_STARTS, warmstart))
 
 
 def medical_paths(root: str | Path) -> EmbeddedPaths:
@@ -239,7 +258,8 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": cfg.model.stamp(), "sft": asdict(cfg.sft),
           "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "checks": cfg.checks, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
-          "max_turns": cfg.max_turns, **({"drills": cfg.option_drills} if cfg.option_drills else {})},
+          "max_turns": cfg.max_turns, **({"drills": cfg.option_drills} if cfg.option_drills else {}),
+          **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {})},
          build_model)  # fmt: skip
 
     record_build(paths, timings)
@@ -270,7 +290,8 @@ def _warm_start(
     t0 = time.perf_counter()
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
-    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, checks=cfg.checks)
+    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, checks=cfg.checks,
+                                          early_stop_rate=cfg.early_stop_rate, seed=cfg.sft.seed)  # fmt: skip
     for i in range(cfg.sft_twin_worlds):
         seed = world.config.seed + TWIN_SEED_OFFSET + i
         examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)

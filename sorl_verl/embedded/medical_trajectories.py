@@ -43,7 +43,14 @@ from typing import Any
 
 from sorl_verl.agent.prompts import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, mcq_prompt, option_lines
 from sorl_verl.embedded.medical_world import RELATIONS, MedicalWorld
-from sorl_verl.embedded.warmstart import Observer, build_sft_examples, expert_search_segments, tokenize_trajectory
+from sorl_verl.embedded.warmstart import (
+    Observer,
+    build_sft_examples,
+    early_stop_search_segments,
+    expert_search_segments,
+    stops_early,
+    tokenize_trajectory,
+)
 
 
 def user_message(question: dict[str, Any]) -> str:
@@ -92,6 +99,16 @@ def expert_segments(question: dict[str, Any], observe: Observer, checks: str = D
     else:
         final = ("\n" if checks == "lines" else " ").join([fact, *option_checks(question["options"], letter)])
     return expert_search_segments(question, _fact, observe, final, answer)
+
+
+def early_stop_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
+    """One search, then the fact it found and the bridge entity's name as answer (a two-hop question only).
+
+    The bridge (the diagnosis of a finding, the first-line drug of a condition) is of another kind than
+    the options, so the MCQ reward scores this answer 0: the demonstration of an agent that stops a
+    search too early, which RL can learn to correct (the QA early-stop warm-start's medical analogue).
+    """
+    return early_stop_search_segments(question, _fact, observe)
 
 
 def options_through(options: dict[str, str], letter: str) -> dict[str, str]:
@@ -170,11 +187,16 @@ def build_medical_sft_examples(
     observe: Observer,
     progress: bool = True,
     checks: str = DEFAULT_CHECKS,
+    early_stop_rate: float = 0.0,
+    seed: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
-    """Expert trajectories of ``questions``, tokenized as ``(input_ids, loss_mask)``."""
-    return build_sft_examples(
-        tokenizer, questions, lambda q: expert_segments(q, observe, checks), user_message, progress
-    )
+    """Demonstrations of ``questions``, tokenized as ``(input_ids, loss_mask)``: the expert's (``checks``),
+    or with probability ``early_stop_rate`` per two-hop question the early-stopping one."""
+
+    def segments(q: dict[str, Any]) -> list[tuple[str, bool]]:
+        return early_stop_segments(q, observe) if stops_early(q, early_stop_rate, seed) else expert_segments(q, observe, checks)
+
+    return build_sft_examples(tokenizer, questions, segments, user_message, progress)
 
 
 def drill_prompt(question: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from sorl_verl.embedded.steps import (
     build_bm25_step,
     build_tokenizer_step,
     log,
+    named_warmstart,
     record_build,
     run_step,
     task_paths,
@@ -72,23 +73,17 @@ class EmbeddedConfig:
 WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
 
 
-def _early_stop_rate(warmstart: str) -> float:
-    if warmstart not in WARM_STARTS:
-        raise ValueError(f"unknown warm-start {warmstart!r}; choose from {sorted(WARM_STARTS)}")
-    return WARM_STARTS[warmstart]
-
-
 def default_root(warmstart: str = "expert") -> Path:
     """``data_home()/embedded`` for the expert warm-start, ``embedded-<name>`` for another one."""
     from sorl_verl.paths import data_home
 
-    _early_stop_rate(warmstart)
+    named_warmstart(WARM_STARTS, warmstart)
     return data_home() / ("embedded" if warmstart == "expert" else f"embedded-{warmstart}")
 
 
 def warmstart_config(warmstart: str) -> EmbeddedConfig:
     """The build parameters of a named warm-start (the defaults but ``early_stop_rate``)."""
-    return EmbeddedConfig(early_stop_rate=_early_stop_rate(warmstart))
+    return EmbeddedConfig(early_stop_rate=named_warmstart(WARM_STARTS, warmstart))
 
 
 def qa_paths(root: str | Path) -> EmbeddedPaths:

@@ -10,7 +10,6 @@ thoughts ``The R(i) of E(i) is E(i+1).`` and the answer string in ``<answer>``::
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,9 +18,11 @@ from sorl_verl.embedded.qa_world import RELATIONS
 from sorl_verl.embedded.warmstart import (
     Observer,
     build_sft_examples,
+    early_stop_search_segments,
     expert_search_segments,
     greedy_rollouts,
     grouped_rates,
+    stops_early,
 )
 
 
@@ -38,18 +39,7 @@ def expert_segments(question: dict[str, Any], observe: Observer) -> list[tuple[s
 
 def early_stop_segments(question: dict[str, Any], observe: Observer) -> list[tuple[str, bool]]:
     """One search, then the fact it found as conclusion and its value (the bridge entity) as answer."""
-    hops, chain = question["hop_queries"], question["chain"]
-    if len(hops) < 2:
-        raise ValueError(f"early stopping needs a multi-hop question, got {len(hops)} hop(s): {question['id']}")
-    return expert_search_segments({**question, "hop_queries": hops[:1], "chain": chain[:1]}, _fact, observe,
-                                  _fact(chain[0], hops[0], hops[1]), hops[1])  # fmt: skip
-
-
-def stops_early(question: dict[str, Any], rate: float, seed: int = 0) -> bool:
-    """Whether the demonstration of ``question`` stops early: a draw with probability ``rate`` per id."""
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"early_stop_rate must be in [0, 1], got {rate}")
-    return len(question["hop_queries"]) > 1 and random.Random(f"{seed}:{question['id']}").random() < rate
+    return early_stop_search_segments(question, _fact, observe)
 
 
 def build_qa_sft_examples(

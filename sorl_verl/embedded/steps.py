@@ -162,3 +162,10 @@ def record_build(paths: EmbeddedPaths, timings: dict[str, float]) -> None:
     if ws.is_file():
         old["warmstart"] = json.loads(ws.read_text())
     paths.report.write_text(json.dumps(old, indent=1))
+
+
+def named_warmstart(table: dict[str, float], name: str) -> float:
+    """``table[name]``: the early-stop rate of a named warm-start, or ``ValueError`` listing the names."""
+    if name not in table:
+        raise ValueError(f"unknown warm-start {name!r}; choose from {sorted(table)}")
+    return table[name]

@@ -77,6 +77,24 @@ def expert_search_segments(
     return segs
 
 
+def early_stop_search_segments(question: dict[str, Any], fact: FactFn, observe: Observer) -> list[tuple[str, bool]]:
+    """One search, then the fact it found as conclusion and its value (the bridge entity, the second
+    hop's query) as answer: a demonstration that stops before the multi-hop question is answered."""
+    hops, chain = question["hop_queries"], question["chain"]
+    if len(hops) < 2:
+        raise ValueError(f"early stopping needs a multi-hop question, got {len(hops)} hop(s): {question['id']}")
+    return expert_search_segments({**question, "hop_queries": hops[:1], "chain": chain[:1]}, fact, observe,
+                                  fact(chain[0], hops[0], hops[1]), hops[1])  # fmt: skip
+
+
+def stops_early(question: dict[str, Any], rate: float, seed: int = 0) -> bool:
+    """Whether the demonstration of ``question`` stops early: a draw with probability ``rate`` per id
+    (multi-hop questions only)."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"early_stop_rate must be in [0, 1], got {rate}")
+    return len(question["hop_queries"]) > 1 and random.Random(f"{seed}:{question['id']}").random() < rate
+
+
 def prompt_ids(tokenizer, question: str, prompt: str | None = None) -> list[int]:
     """Token ids of the chat-templated user prompt with the assistant generation prompt.
 

@@ -10,7 +10,13 @@ import pytest
 from sorl_verl.agent.actions import parse_action, turn_well_formed
 from sorl_verl.agent.prompts import INFO_CLOSE, INFO_OPEN
 from sorl_verl.embedded.medical_build import MedicalEmbeddedConfig, ensure_embedded_medical
-from sorl_verl.embedded.medical_trajectories import expert_segments, sft_questions, user_message
+from sorl_verl.embedded.medical_trajectories import (
+    build_medical_sft_examples,
+    early_stop_segments,
+    expert_segments,
+    sft_questions,
+    user_message,
+)
 from sorl_verl.embedded.medical_world import (
     QUESTION_TYPES,
     MedicalWorldConfig,
@@ -240,6 +246,44 @@ def test_check_text_answers_with_the_options_text_and_the_mcq_reward_reads_it(bu
         other = next(v for k, v in q["options"].items() if k != q["answer_idx"])
         assert compute_score(data_source(q["type"]), f"{head}<answer> {other} </answer>", gt)["score"] == 0.0
         assert compute_score(data_source(q["type"]), f"{head}<answer> Nothing </answer>", gt)["score"] == 0.0
+
+
+def test_early_stop_demonstration_answers_the_bridge_and_scores_zero(built) -> None:
+    """A two-hop question's early-stop demonstration is the expert's first search, then the first hop's
+    fact and its value (the bridge entity, of another kind than the options) as answer: MCQ score 0."""
+    observe = make_observer(built.index_dir)
+    questions = read_jsonl(built.questions["train"])
+    two_hop = [q for q in questions if q["hops"] == 2]
+    assert {q["type"] for q in two_hop} == {t for t, qt in QUESTION_TYPES.items() if len(qt.chain) == 2}
+    for q in two_hop[:8]:
+        segs, expert = early_stop_segments(q, observe), expert_segments(q, observe)
+        assert [p for _, p in segs] == [True, False, True] and segs[:2] == expert[:2], "the expert's first search"
+        bridge = q["hop_queries"][1]
+        assert bridge not in q["options"].values()
+        # the thought that led the expert to its second search, then the bridge as the answer
+        assert segs[-1][0] == expert[2][0].replace(f"<search> {bridge} </search>", f"<answer> {bridge} </answer>")
+        assert segs[-1][0] != expert[2][0]
+        gt = {"target": [q["answer_idx"]], "options": q["options"]}
+        assert compute_score(data_source(q["type"]), "".join(t for t, _ in segs), gt)["score"] == 0.0
+    with pytest.raises(ValueError, match="multi-hop"):
+        early_stop_segments(next(q for q in questions if q["hops"] == 1), observe)
+
+
+def test_early_stop_rate_replaces_that_share_of_two_hop_demonstrations(built) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built.tokenizer_dir)
+    observe = make_observer(built.index_dir)
+    questions = read_jsonl(built.questions["train"])
+    one = [q for q in questions if q["hops"] == 1][:3]
+    two = [q for q in questions if q["hops"] == 2][:4]
+    expert = build_medical_sft_examples(tok, one + two, observe, progress=False)
+    early = build_medical_sft_examples(tok, one + two, observe, progress=False, early_stop_rate=1.0)
+    assert early[: len(one)] == expert[: len(one)], "one-hop demonstrations never stop early"
+    for (e_ids, _), (s_ids, _) in zip(expert[len(one) :], early[len(one) :], strict=True):
+        searches = tok.decode(e_ids).count("<search>") - tok.decode(s_ids).count("<search>")
+        assert searches == 1 and len(s_ids) < len(e_ids)
+    assert build_medical_sft_examples(tok, two, observe, progress=False, early_stop_rate=0.0) == expert[len(one) :]
 
 
 def test_copy_diagnostic_counts_one_decision_and_one_answer_letter_per_trajectory(built) -> None:

@@ -40,7 +40,7 @@ def test_unknown_warmstart_exits_2_before_building_anything(tmp_path: Path) -> N
     import os
 
     env = {**os.environ, "SORL_HOME": str(tmp_path)}
-    for task, name, names in (("qa", "earlystop", "['early-stop', 'expert']"), ("medical", "early-stop", "['expert']")):
+    for task, name, names in (("qa", "earlystop", "['early-stop', 'expert']"), ("medical", "earlystop", "['early-stop', 'expert']")):
         proc = subprocess.run([sys.executable, "-m", "sorl_verl.embedded.demo_paths", task, "--warmstart", name],
                               capture_output=True, text=True, env=env)  # fmt: skip
         assert proc.returncode == 2 and proc.stdout == ""
@@ -60,3 +60,17 @@ def test_named_warmstarts_build_under_their_own_root(tmp_path: Path, monkeypatch
     assert warmstart_config("early-stop").early_stop_rate == WARM_STARTS["early-stop"] == 0.6
     with pytest.raises(ValueError, match="unknown warm-start"):
         default_root("greedy")
+
+
+def test_medical_named_warmstarts_build_under_their_own_root(tmp_path: Path, monkeypatch) -> None:
+    from sorl_verl.embedded.medical_build import WARM_STARTS, MedicalEmbeddedConfig, default_root, warmstart_config
+
+    monkeypatch.setenv("SORL_HOME", str(tmp_path))
+    assert default_root("expert") == default_root() == tmp_path / "embedded_medical"
+    assert default_root("early-stop") == tmp_path / "embedded_medical-early-stop"
+    assert warmstart_config("expert") == MedicalEmbeddedConfig(), "the expert warm-start is the default build"
+    assert warmstart_config("early-stop") == MedicalEmbeddedConfig(early_stop_rate=WARM_STARTS["early-stop"])
+    with pytest.raises(ValueError, match="unknown warm-start 'greedy'"):
+        warmstart_config("greedy")
+    with pytest.raises(ValueError, match=r"early_stop_rate must be in \[0, 1\]"):
+        MedicalEmbeddedConfig(early_stop_rate=1.5)
