@@ -42,6 +42,7 @@ def register_all() -> dict[str, list[str]]:
     _section("trainers", _register_trainers)
     _section("agent", _register_agent)
     _section("cpu", _register_cpu)
+    _section("checkpoint_engine", _register_checkpoint_engine)
     return REGISTERED
 
 
@@ -129,24 +130,32 @@ def _register_agent() -> dict[str, list[str]]:
     to import); when it is not imported yet, a one-shot import hook adds the entry right after
     it loads, so importing verl stays cheap and every process that runs agent loops sees it.
     """
-    import importlib.abc
-    import importlib.machinery
-    import sys
-
     from sorl_verl.agent import AGENT_LOOP_NAME, AGENT_LOOP_TARGET
-
-    module_name = "verl.experimental.agent_loop.agent_loop"
 
     def install(module: object) -> None:
         module._agent_loop_registry[AGENT_LOOP_NAME] = {"_target_": AGENT_LOOP_TARGET}  # type: ignore[attr-defined]
 
+    _after_import("verl.experimental.agent_loop.agent_loop", "_agent_loop_registry", install, hook="agent_loop")
+    return {"agent_loop": [AGENT_LOOP_NAME]}
+
+
+def _after_import(module_name: str, ready_attr: str, install: Callable[[object], None], hook: str) -> None:
+    """Call ``install(module)`` now if ``module_name`` is loaded (has ``ready_attr``), else right after it loads.
+
+    The deferred path is a one-shot ``sys.meta_path`` finder tagged ``hook`` (installed once per
+    process, whatever the number of re-imports of this plugin).
+    """
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
     module = sys.modules.get(module_name)
-    if module is not None and hasattr(module, "_agent_loop_registry"):
+    if module is not None and hasattr(module, ready_attr):
         install(module)
-        return {"agent_loop": [AGENT_LOOP_NAME]}
+        return
 
     class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-        sorl_verl_hook = "agent_loop"
+        sorl_verl_hook = hook
 
         def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib protocol
             if fullname != module_name:
@@ -163,9 +172,8 @@ def _register_agent() -> dict[str, list[str]]:
             spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
             return spec
 
-    if not any(getattr(f, "sorl_verl_hook", None) == "agent_loop" for f in sys.meta_path):
+    if not any(getattr(f, "sorl_verl_hook", None) == hook for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
-    return {"agent_loop": [AGENT_LOOP_NAME]}
 
 
 # --- cpu: platform and rollout replica for machines without an accelerator ---------------
@@ -198,6 +206,53 @@ def _register_cpu() -> dict[str, list[str]]:
         registered["cpu_wrappers"] = apply_cpu_wrappers()
         registered["EngineRegistry"] = register_cpu_engines()
     return registered
+
+
+# --- checkpoint engine: trainer -> standalone rollout weight sync without an accelerator -----
+
+#: ``sorl_verl.cpu.checkpoint_engine.BACKEND``, named here so that registering imports nothing heavy
+CHECKPOINT_ENGINE_BACKEND = "gloo"
+
+
+def _register_checkpoint_engine() -> dict[str, list[str]]:
+    """``gloo`` (:mod:`sorl_verl.cpu.checkpoint_engine`) into verl's ``CheckpointEngineRegistry``.
+
+    Deferred until ``verl.checkpoint_engine.base`` is imported (every process that builds an engine
+    imports it first), so importing verl does not pay for it. A run selects it with
+    ``checkpoint_engine.backend=gloo`` and ``checkpoint_engine.custom_backend_module=sorl_verl.plugin``
+    (verl imports that module before it looks the backend up). A foreign engine under the name raises.
+    """
+
+    def install(base: object) -> None:
+        from sorl_verl.cpu.checkpoint_engine import BACKEND, GlooCheckpointEngine
+
+        registry = base.CheckpointEngineRegistry  # type: ignore[attr-defined]
+        existing = registry._registry.get(BACKEND)
+        if existing is None:
+            registry.register(BACKEND)(GlooCheckpointEngine)
+        elif existing is not GlooCheckpointEngine:
+            raise ValueError(
+                f"verl checkpoint engine {BACKEND!r} is already registered to "
+                f"{existing.__module__}.{existing.__qualname__}, not sorl_verl's"
+            )
+
+    def install_recording(base: object) -> None:  # the deferred path: failures go to ERRORS
+        try:
+            install(base)
+        except Exception:  # noqa: BLE001 - made visible instead of swallowed by the import
+            ERRORS["checkpoint_engine"] = traceback.format_exc()
+            logger.warning("sorl_verl: registering the gloo checkpoint engine failed:\n%s", ERRORS["checkpoint_engine"])
+
+    import sys
+
+    base = sys.modules.get("verl.checkpoint_engine.base")
+    if base is not None and hasattr(base, "CheckpointEngineRegistry"):
+        install(base)
+    else:
+        _after_import(
+            "verl.checkpoint_engine.base", "CheckpointEngineRegistry", install_recording, hook="checkpoint_engine"
+        )
+    return {"CheckpointEngineRegistry": [CHECKPOINT_ENGINE_BACKEND]}
 
 
 register_all()
