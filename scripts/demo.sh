@@ -10,7 +10,8 @@
 # learning recipe recipe/sorl/config/demo/early_stop.yaml (lr 3e-4 with warm-up and cosine decay, KL
 # loss to the warm-start, validation on all 300 questions), trained on the 1- and 2-hop questions;
 # or --warmstart expert (the study's and the tests', the overlay's settings, 30 steps; the medical
-# task's default; its --warmstart early-stop has the QA recipe on all question types).
+# task's default; its --warmstart early-stop, 60% of two-hop demonstrations answer after one search,
+# 1000 SFT steps, has the QA recipe on all question types).
 # docs/embedded-default.md; docs/results.md has every run. Starts the retrieval
 # server on a free loopback port, runs `python -m verl.trainer.main_ppo` with
 # recipe/sorl/config/sorl_trainer.yaml + task/search_qa.yaml + platform/cpu.yaml, shows one progress
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
     --warmstart) WARMSTART=$2; shift 2 ;;
     --warmstart=*) WARMSTART=${1#*=}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
