@@ -201,9 +201,10 @@ def _register_cpu() -> dict[str, list[str]]:
     }
     if cpu_platform_selected():  # never on a machine with an accelerator unless VERL_PLATFORM=cpu
         from sorl_verl.cpu.engines import register_cpu_engines
-        from sorl_verl.cpu.verl_compat import apply_cpu_wrappers
+        from sorl_verl.cpu.verl_compat import apply_cpu_wrappers, apply_separate_async_wrappers
 
         registered["cpu_wrappers"] = apply_cpu_wrappers()
+        registered["cpu_wrappers_separate_async"] = apply_separate_async_wrappers()
         registered["EngineRegistry"] = register_cpu_engines()
     return registered
 

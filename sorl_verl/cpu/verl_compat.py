@@ -9,6 +9,7 @@ loudly instead of silently misbehaving.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -24,6 +25,8 @@ from sorl_verl.cpu.loopback import use_loopback_ray
 VERL_CHECKED = SpecifierSet(">=0.9.1,<0.10")
 #: names of the verl internals wrapped in this process
 APPLIED: list[str] = []
+#: those wrapped for verl's separate-async trainer only (standalone rollout, DetachActorWorker)
+SEPARATE_ASYNC_APPLIED: list[str] = []
 #: MASTER_ADDR values that mean "this machine only"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost"})
 
@@ -119,13 +122,55 @@ def _unpinned_offload_policy(cls: Any) -> Any:
     return make
 
 
-def _wrap(module: Any, attr: str, make: Any) -> None:
+def _copying_sharded_save(fn: Any) -> Any:
+    """``fsdp2_sharded_save_to_cpu`` keeps ``param._local_tensor.detach().cpu()`` of every parameter:
+    the host copy ``DetachActorWorker.save_model_to_cpu`` holds so that the separate-async trainer
+    (``parameter_sync_step > 1``) can recompute old log-probs with the step's starting weights. On
+    CPU, ``.cpu()`` of a host tensor returns the tensor itself, so the "copy" is the live parameter,
+    it moves with every update, and ``restore_model_from_cpu`` silently restores the current
+    weights (every mini-batch after the first then trains with ratio 1 against the wrong old
+    policy). Each saved shard is cloned."""
+
+    @functools.wraps(fn)
+    def wrapper(model: Any) -> Any:
+        state, global_spec = fn(model)
+        return {name: (tensor.clone(), spec) for name, (tensor, spec) in state.items()}, global_spec
+
+    wrapper.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+#: verl's logger that is called with print()'s ``flush=True`` (see :func:`_drop_flush_kwarg`)
+SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
+
+
+def _drop_flush_kwarg(logger_name: str) -> None:
+    """``PPOTrainerSeparateAsync._setup`` (verl 0.9.1) logs ``logger.info(..., flush=True)`` when
+    ``actor_rollout_ref.hybrid_engine=False`` (the standalone-rollout-only layout); ``logging``
+    rejects ``flush`` with a ``TypeError`` whenever INFO is enabled for that logger (verl's default
+    ``VERL_LOGGING_LEVEL=INFO``), so the trainer dies before training. The logger's ``info`` drops
+    the keyword. Set on the logger object, which exists by name before verl's module is imported,
+    so the module's own ``logger.setLevel`` leaves it in place."""
+    logger = logging.getLogger(logger_name)
+    if getattr(logger, "__sorl_cpu_wrapped__", False):
+        return
+    info = logger.info
+
+    @functools.wraps(info)
+    def info_without_flush(msg: object, *args: Any, flush: bool | None = None, **kwargs: Any) -> None:
+        info(msg, *args, **kwargs)
+
+    logger.info = info_without_flush  # type: ignore[method-assign]
+    logger.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
+
+
+def _wrap(module: Any, attr: str, make: Any, applied: list[str] = APPLIED) -> None:
     fn = getattr(module, attr)
     if not getattr(fn, "__sorl_cpu_wrapped__", False):
         setattr(module, attr, make(fn))
     name = f"{module.__name__}.{attr}"
-    if name not in APPLIED:
-        APPLIED.append(name)
+    if name not in applied:
+        applied.append(name)
 
 
 def apply_cpu_wrappers() -> list[str]:
@@ -147,3 +192,20 @@ def apply_cpu_wrappers() -> list[str]:
     # not a wrapper: Ray's node on 127.0.0.1 for the single-machine CPU run (sorl_verl/cpu/loopback.py)
     use_loopback_ray()
     return list(APPLIED)
+
+
+def apply_separate_async_wrappers() -> list[str]:
+    """Install the wrappers verl's separate-async trainer needs on CPU (idempotent); listed apart
+    from :data:`APPLIED` in :data:`SEPARATE_ASYNC_APPLIED` (``plugin.REGISTERED["cpu_wrappers_separate_async"]``).
+    """
+    _check_verl_version()
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    # imported inside DetachActorWorker._get_strategy_handlers at call time
+    _wrap(fsdp_utils, "fsdp2_sharded_save_to_cpu", _copying_sharded_save, SEPARATE_ASYNC_APPLIED)
+    # a logging call that raises when the rollout is standalone only (hybrid_engine=False)
+    _drop_flush_kwarg(SEPARATE_ASYNC_LOGGER)
+    name = f"{SEPARATE_ASYNC_LOGGER}.logger"  # the module's `logger`, as the doctor's wrapper getter reads it
+    if name not in SEPARATE_ASYNC_APPLIED:
+        SEPARATE_ASYNC_APPLIED.append(name)
+    return list(SEPARATE_ASYNC_APPLIED)
