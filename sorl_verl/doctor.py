@@ -84,13 +84,22 @@ def _resolve_engine(name: str) -> Any:
 
 
 def _resolve_wrapper(name: str) -> Any:
+    """The module attribute ``name`` names, if it carries the mark of a sorl_verl CPU wrapper or verl fix."""
     import importlib
+
+    from sorl_verl.trainer.verl_compat import FIX_MARK
 
     module_name, attr = name.rsplit(".", 1)
     fn = getattr(importlib.import_module(module_name), attr)
-    if not getattr(fn, "__sorl_cpu_wrapped__", False):
-        raise LookupError(f"{name} is not the sorl_verl CPU wrapper")
+    if not (getattr(fn, "__sorl_cpu_wrapped__", False) or getattr(fn, FIX_MARK, False)):
+        raise LookupError(f"{name} is not a sorl_verl CPU wrapper or verl fix")
     return fn
+
+
+def _resolve_checkpoint_engine(name: str) -> Any:
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    return CheckpointEngineRegistry.get(name)
 
 
 def _resolve_rollout_adapter(name: str) -> Any:
@@ -126,6 +135,9 @@ RESOLVERS: dict[str, Callable[[str], Any]] = {
     "omegaconf_resolver": _resolve_omegaconf_resolver,
     "EngineRegistry": _resolve_engine,
     "cpu_wrappers": _resolve_wrapper,
+    "cpu_wrappers_separate_async": _resolve_wrapper,
+    "verl_fixes": _resolve_wrapper,
+    "CheckpointEngineRegistry": _resolve_checkpoint_engine,
     "rollout_adapters": _resolve_rollout_adapter,
 }
 

@@ -109,15 +109,18 @@ def _register_trainers() -> dict[str, list[str]]:
 
     Deferred until ``verl.trainer.ppo.v1`` is imported (TaskRunnerV1 does so before its look-up);
     a deferred failure lands in ``ERRORS["trainers"]``. Also the OmegaConf resolver
-    ``sorl_critic_enable`` that ``sorl_trainer.yaml`` uses to turn the critic on for so_ppo.
+    ``sorl_critic_enable`` that ``sorl_trainer.yaml`` uses to turn the critic on for so_ppo, and the
+    fixes of verl bugs on the trainers' path (``trainer.verl_compat.apply_verl_fixes``, every platform).
     """
     from sorl_verl.trainer.config_resolvers import register_resolvers
     from sorl_verl.trainer.registration import install_trainer_registration
+    from sorl_verl.trainer.verl_compat import apply_verl_fixes
 
     def record(tb: str) -> None:
         ERRORS["trainers"] = tb
 
-    return {"omegaconf_resolver": register_resolvers(), "trainer": install_trainer_registration(on_error=record)}
+    return {"omegaconf_resolver": register_resolvers(), "trainer": install_trainer_registration(on_error=record),
+            "verl_fixes": apply_verl_fixes()}  # fmt: skip
 
 
 # --- agent: search_r1 agent loop ---------------------------------------------------------

@@ -9,7 +9,6 @@ loudly instead of silently misbehaving.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import socket
 from datetime import timedelta
@@ -140,30 +139,6 @@ def _copying_sharded_save(fn: Any) -> Any:
     return wrapper
 
 
-#: verl's logger that is called with print()'s ``flush=True`` (see :func:`_drop_flush_kwarg`)
-SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
-
-
-def _drop_flush_kwarg(logger_name: str) -> None:
-    """``PPOTrainerSeparateAsync._setup`` (verl 0.9.1) logs ``logger.info(..., flush=True)`` when
-    ``actor_rollout_ref.hybrid_engine=False`` (the standalone-rollout-only layout); ``logging``
-    rejects ``flush`` with a ``TypeError`` whenever INFO is enabled for that logger (verl's default
-    ``VERL_LOGGING_LEVEL=INFO``), so the trainer dies before training. The logger's ``info`` drops
-    the keyword. Set on the logger object, which exists by name before verl's module is imported,
-    so the module's own ``logger.setLevel`` leaves it in place."""
-    logger = logging.getLogger(logger_name)
-    if getattr(logger, "__sorl_cpu_wrapped__", False):
-        return
-    info = logger.info
-
-    @functools.wraps(info)
-    def info_without_flush(msg: object, *args: Any, flush: bool | None = None, **kwargs: Any) -> None:
-        info(msg, *args, **kwargs)
-
-    logger.info = info_without_flush  # type: ignore[method-assign]
-    logger.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
-
-
 def _wrap(module: Any, attr: str, make: Any, applied: list[str] = APPLIED) -> None:
     fn = getattr(module, attr)
     if not getattr(fn, "__sorl_cpu_wrapped__", False):
@@ -203,9 +178,5 @@ def apply_separate_async_wrappers() -> list[str]:
 
     # imported inside DetachActorWorker._get_strategy_handlers at call time
     _wrap(fsdp_utils, "fsdp2_sharded_save_to_cpu", _copying_sharded_save, SEPARATE_ASYNC_APPLIED)
-    # a logging call that raises when the rollout is standalone only (hybrid_engine=False)
-    _drop_flush_kwarg(SEPARATE_ASYNC_LOGGER)
-    name = f"{SEPARATE_ASYNC_LOGGER}.logger"  # the module's `logger`, as the doctor's wrapper getter reads it
-    if name not in SEPARATE_ASYNC_APPLIED:
-        SEPARATE_ASYNC_APPLIED.append(name)
+    # the other obstacle on this path is not CPU-specific: sorl_verl.trainer.verl_compat.apply_verl_fixes
     return list(SEPARATE_ASYNC_APPLIED)

@@ -7,7 +7,10 @@ supported range is pinned here and checked at registration time.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -41,3 +44,38 @@ def check_verl_version(version: str | None = None) -> str:
             "to register them anyway (so_ppo's critic-value hook is then unverified)."
         )
     return version
+
+
+#: verl's logger that is called with print()'s ``flush=True`` (see :func:`drop_flush_kwarg`)
+SEPARATE_ASYNC_LOGGER = "verl.trainer.ppo.v1.trainer_separate_async"
+#: the attribute that marks what :func:`apply_verl_fixes` installed (the doctor checks it)
+FIX_MARK = "__sorl_verl_fix__"
+
+
+def drop_flush_kwarg(logger_name: str) -> str:
+    """Make ``logging.getLogger(logger_name).info`` accept and drop print()'s ``flush`` keyword.
+
+    ``PPOTrainerSeparateAsync._setup`` (verl 0.9.1) logs ``logger.info(..., flush=True)`` when
+    ``actor_rollout_ref.hybrid_engine=False`` (rollout served by the standalone pool only, which the
+    GPU recipe's and the CPU overlay's separate-async settings both select); ``logging`` rejects
+    ``flush`` with a ``TypeError`` whenever INFO is enabled (verl's default ``VERL_LOGGING_LEVEL``),
+    so the trainer dies before its first step. Set on the logger object, which exists by name
+    before verl's module is imported, so that module's ``logger.setLevel`` leaves it in place.
+    Idempotent; returns ``"<logger_name>.logger"``, the module attribute the doctor resolves.
+    """
+    logger = logging.getLogger(logger_name)
+    if not getattr(logger, FIX_MARK, False):
+        info = logger.info
+
+        @functools.wraps(info)
+        def info_without_flush(msg: object, *args: Any, flush: bool | None = None, **kwargs: Any) -> None:
+            info(msg, *args, **kwargs)
+
+        logger.info = info_without_flush  # type: ignore[method-assign]
+        setattr(logger, FIX_MARK, True)
+    return f"{logger_name}.logger"
+
+
+def apply_verl_fixes() -> list[str]:
+    """Install the fixes for verl bugs on the SORL trainers' path, on every platform (idempotent)."""
+    return [drop_flush_kwarg(SEPARATE_ASYNC_LOGGER)]

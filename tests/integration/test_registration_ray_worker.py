@@ -80,6 +80,8 @@ def test_doctor_exits_0_and_every_registered_name_resolves_in_driver_and_ray_wor
     assert {"so_grpo", "so_ppo", "turn_ppo", "s_ppo"} <= set(registered["policy_loss"])
     assert {"so_grpo", "so_ppo"} <= set(registered["adv_estimator"])
     assert {"sorl_sync", "sorl_colocate_async", "sorl_separate_async"} <= set(registered["trainer"])
+    assert registered["verl_fixes"] == ["verl.trainer.ppo.v1.trainer_separate_async.logger"]
+    assert [r for r in registered if r not in RESOLVERS] == [], "every registry the plugin fills has a getter"
     for where in ("driver", "ray_worker"):
         part = report[where]
         assert part["loaded_by_verl"] is True
