@@ -22,6 +22,8 @@ logger = logging.getLogger("sorl_verl.plugin")
 REGISTERED: dict[str, list[str]] = {}
 #: section name -> formatted traceback of a failed registration
 ERRORS: dict[str, str] = {}
+#: sections put off because a module they import was itself importing verl (:func:`register_deferred`)
+DEFERRED: list[str] = []
 
 
 def _section(name: str, fn: Callable[[], dict[str, list[str]]]) -> None:
@@ -182,8 +184,29 @@ def _after_import(module_name: str, ready_attr: str, install: Callable[[object],
 # --- cpu: platform and rollout replica for machines without an accelerator ---------------
 
 
+def register_deferred() -> dict[str, list[str]]:
+    """Run the sections put off while a module they need was half-imported; safe to call any time."""
+    sections = {"cpu": _register_cpu}
+    while DEFERRED:
+        name = DEFERRED.pop(0)
+        _section(name, sections[name])
+    return REGISTERED
+
+
 def _register_cpu() -> dict[str, list[str]]:
-    """CPU platform and ``hf`` replica always; FSDP engines for ``cpu`` and verl wrappers only on CPU."""
+    """CPU platform and ``hf`` replica always; FSDP engines for ``cpu`` and verl wrappers only on CPU.
+
+    When ``sorl_verl.cpu.platform`` is imported before verl, its own ``import verl`` loads this plugin
+    while the module is half-defined: the section is then put off, and that module calls
+    :func:`register_deferred` once it is complete.
+    """
+    import sys
+
+    platform = sys.modules.get("sorl_verl.cpu.platform")
+    if platform is not None and not hasattr(platform, "register_cpu_platform"):
+        if "cpu" not in DEFERRED:
+            DEFERRED.append("cpu")
+        return {}
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 

@@ -224,3 +224,16 @@ def register_cpu_platform() -> list[str]:
         if PlatformRegistry.get(name) is not PlatformCPU:
             PlatformRegistry.register(platform=name)(PlatformCPU)
     return list(CPU_PLATFORM_NAMES)
+
+
+def _finish_plugin_registration() -> None:
+    """verl, imported at the top of this module, loads ``sorl_verl.plugin``; when this module was
+    imported first the plugin found it half-defined and put its CPU section off until now."""
+    import sys
+
+    plugin = sys.modules.get("sorl_verl.plugin")
+    if plugin is not None and getattr(plugin, "DEFERRED", None):
+        plugin.register_deferred()
+
+
+_finish_plugin_registration()

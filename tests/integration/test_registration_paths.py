@@ -179,3 +179,26 @@ def test_runtime_verl_range_matches_the_pyproject_pin():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (verl_req,) = [Requirement(d) for d in deps if Requirement(d).name == "verl"]
     assert verl_req.specifier == SUPPORTED_VERL
+
+
+CPU_PLATFORM_FIRST_PROBE = """
+import json
+import sorl_verl.cpu.platform  # imports verl at its top, which loads the plugin while this module is half-defined
+import sorl_verl.plugin as plugin
+from verl.plugin.platform import PlatformRegistry
+print("PROBE" + json.dumps({"errors": sorted(plugin.ERRORS), "deferred": plugin.DEFERRED,
+                            "platform": PlatformRegistry.get("cpu").__name__,
+                            "cpu_wrappers": len(plugin.REGISTERED.get("cpu_wrappers", []))}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing verl
+def test_cpu_platform_imported_before_verl_still_registers_the_cpu_section():
+    """Before the deferral the plugin's CPU section failed with a circular ImportError (and nothing of
+    it was registered) whenever ``sorl_verl.cpu.platform`` was the first module to import verl."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    proc = subprocess.run([sys.executable, "-c", CPU_PLATFORM_FIRST_PROBE], cwd="/", env={**env, "VERL_PLATFORM": "cpu"},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE"))[len("PROBE") :])
+    assert got == {"errors": [], "deferred": [], "platform": "PlatformCPU", "cpu_wrappers": 3}, got
