@@ -39,6 +39,7 @@ from sorl_verl.embedded.steps import (
     run_step,
     task_paths,
     torch_threads,
+    warmstart_root,
 )
 from sorl_verl.embedded.tiny_model import TinyModelSpec
 from sorl_verl.embedded.warmstart import TOPK, Observer, SFTConfig
@@ -80,7 +81,8 @@ class MedicalEmbeddedConfig:
     #: was learned in the drills, not in the agent's turns, docs/embedded-default.md); in the model's stamp when > 0
     option_drills: int = 0
     #: share of the two-hop demonstrations that stop after the first search and answer the bridge entity
-    #: (``medical_trajectories.early_stop_segments``, scored 0); in the model's stamp when > 0
+    #: (``medical_trajectories.early_stop_segments``, scored 0); applies to the world's own demonstrations, not
+    #: to those of twin worlds (``sft_twin_worlds``), which stay the expert's; in the model's stamp when > 0
     early_stop_rate: float = 0.0
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
@@ -109,10 +111,7 @@ EARLY_STOP_SFT_STEPS = 1000
 
 def default_root(warmstart: str = "expert") -> Path:
     """``data_home()/embedded_medical`` for the expert warm-start, ``embedded_medical-<name>`` for another one."""
-    from sorl_verl.paths import data_home
-
-    named_warmstart(WARM_STARTS, warmstart)
-    return data_home() / ("embedded_medical" if warmstart == "expert" else f"embedded_medical-{warmstart}")
+    return warmstart_root("embedded_medical", WARM_STARTS, warmstart)
 
 
 def warmstart_config(warmstart: str) -> MedicalEmbeddedConfig:

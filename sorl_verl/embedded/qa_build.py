@@ -34,6 +34,7 @@ from sorl_verl.embedded.steps import (
     run_step,
     task_paths,
     torch_threads,
+    warmstart_root,
 )
 from sorl_verl.embedded.tiny_model import TinyModelSpec
 from sorl_verl.embedded.warmstart import TOPK, SFTConfig
@@ -75,10 +76,7 @@ WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
 
 def default_root(warmstart: str = "expert") -> Path:
     """``data_home()/embedded`` for the expert warm-start, ``embedded-<name>`` for another one."""
-    from sorl_verl.paths import data_home
-
-    named_warmstart(WARM_STARTS, warmstart)
-    return data_home() / ("embedded" if warmstart == "expert" else f"embedded-{warmstart}")
+    return warmstart_root("embedded", WARM_STARTS, warmstart)
 
 
 def warmstart_config(warmstart: str) -> EmbeddedConfig:

@@ -169,3 +169,12 @@ def named_warmstart(table: dict[str, float], name: str) -> float:
     if name not in table:
         raise ValueError(f"unknown warm-start {name!r}; choose from {sorted(table)}")
     return table[name]
+
+
+def warmstart_root(base: str, table: dict[str, float], name: str) -> Path:
+    """``data_home()/<base>`` for the ``expert`` warm-start, ``<base>-<name>`` for another name of
+    ``table`` (``ValueError`` for a name not in it): each named warm-start is built under its own root."""
+    from sorl_verl.paths import data_home
+
+    named_warmstart(table, name)
+    return data_home() / (base if name == "expert" else f"{base}-{name}")
