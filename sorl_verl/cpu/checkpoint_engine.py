@@ -72,6 +72,27 @@ class GlooRendezvous:
     port: int
 
 
+@dataclass
+class _SyncCount:
+    """What one sync moved, counted per chunk on either side: bytes, whole tensors, buckets."""
+
+    payload_bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+
+    def add(self, meta: TensorMeta) -> None:
+        self.payload_bytes += meta.chunk_size
+        self.tensors += int(meta.chunk_offset == 0)  # a tensor's first chunk counts it once
+
+    def metrics(self, seconds_key: str, seconds: float) -> dict[str, float]:
+        return {
+            "checkpoint_engine/payload_mbytes": self.payload_bytes / (1 << 20),
+            "checkpoint_engine/tensors": float(self.tensors),
+            "checkpoint_engine/buckets": float(self.buckets),
+            f"checkpoint_engine/{seconds_key}": seconds,
+        }
+
+
 class GlooCheckpointEngine(CheckpointEngine):
     """Full-weight broadcast from actor rank 0 to every rollout worker over a loopback gloo group.
 
@@ -233,7 +254,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         start = time.perf_counter()
         meta: list[dict[str, Any]] = []
         chunks: list[torch.Tensor] = []
-        size = total_bytes = tensors = buckets = 0
+        size = 0
+        count = _SyncCount()
         sending = False  # an error while broadcasting leaves the wire mid-bucket: no abort header then
         try:
             async for tensor_meta, chunk in split_weight_chunks(_host_tensors(weights), self.bucket_size):
@@ -241,13 +263,12 @@ class GlooCheckpointEngine(CheckpointEngine):
                     sending = True
                     await self._send_bucket(_MORE, meta, torch.cat(chunks))
                     sending = False
-                    buckets += 1
+                    count.buckets += 1
                     meta, chunks, size = [], [], 0
                 meta.append(_meta_to_json(tensor_meta, offset=size))
                 chunks.append(chunk)
                 size += tensor_meta.chunk_size
-                total_bytes += tensor_meta.chunk_size
-                tensors += int(tensor_meta.chunk_offset == 0)
+                count.add(tensor_meta)
         except Exception as exc:
             if not sending:  # the weights generator failed: tell the receivers instead of leaving them waiting
                 error = [{"error": f"{type(exc).__name__}: {exc}"}]
@@ -255,17 +276,13 @@ class GlooCheckpointEngine(CheckpointEngine):
             raise
         payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
         await self._send_bucket(_LAST, meta, payload)
-        buckets += 1
+        count.buckets += 1
         seconds = time.perf_counter() - start
-        self.last_sync = {
-            "checkpoint_engine/payload_mbytes": total_bytes / (1 << 20),
-            "checkpoint_engine/tensors": float(tensors),
-            "checkpoint_engine/buckets": float(buckets),
-            "checkpoint_engine/send_seconds": seconds,
-        }
+        self.last_sync = count.metrics("send_seconds", seconds)
         logger.info(
             "gloo checkpoint engine: sent %d tensors (%.2f MB, %d buckets) to %d rollout workers in %.2fs (step %s)",
-            tensors, total_bytes / (1 << 20), buckets, (self.world_size or 1) - 1, seconds, global_steps,
+            count.tensors, count.payload_bytes / (1 << 20), count.buckets, (self.world_size or 1) - 1, seconds,
+            global_steps,
         )  # fmt: skip
         return dict(self.last_sync)
 
@@ -280,27 +297,21 @@ class GlooCheckpointEngine(CheckpointEngine):
 
     async def _receive_chunks(self, global_steps: int | None) -> AsyncIterator[tuple[TensorMeta, torch.Tensor]]:
         start = time.perf_counter()
-        total_bytes = tensors = buckets = 0
+        count = _SyncCount()
         status = _MORE
         while status == _MORE:
             meta, payload, status = await asyncio.to_thread(self._receive_bucket)
             if status == _ABORTED:
                 raise RuntimeError(f"gloo checkpoint engine: the sender failed mid-sync: {meta[0].get('error')}")
-            buckets += 1
+            count.buckets += 1
             for entry in meta:
                 tensor_meta = _meta_from_json(entry)
-                total_bytes += tensor_meta.chunk_size
-                tensors += int(tensor_meta.chunk_offset == 0)
+                count.add(tensor_meta)
                 yield tensor_meta, payload[tensor_meta.offset : tensor_meta.offset + tensor_meta.chunk_size].clone()
-        self.last_sync = {
-            "checkpoint_engine/payload_mbytes": total_bytes / (1 << 20),
-            "checkpoint_engine/tensors": float(tensors),
-            "checkpoint_engine/buckets": float(buckets),
-            "checkpoint_engine/receive_seconds": time.perf_counter() - start,
-        }
+        self.last_sync = count.metrics("receive_seconds", time.perf_counter() - start)
         logger.info(
             "gloo checkpoint engine: rank %s received %d tensors (%.2f MB, %d buckets) (step %s)",
-            self.rank, tensors, total_bytes / (1 << 20), buckets, global_steps,
+            self.rank, count.tensors, count.payload_bytes / (1 << 20), count.buckets, global_steps,
         )  # fmt: skip
 
     def _receive_bucket(self) -> tuple[list[dict[str, Any]], torch.Tensor, int]:
