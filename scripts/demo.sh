@@ -2,7 +2,7 @@
 # The main job: SORL trained by verl's own main_ppo on this CPU-only machine.
 #
 #   bash scripts/demo.sh [--algo so_grpo|so_ppo|grpo|ppo] [--task qa|medical] [--steps N]
-#                        [--warmstart early-stop|expert] [-- hydra overrides...]
+#                        [--warmstart early-stop|early-stop-50|expert] [-- hydra overrides...]
 #
 # Sets up .venv if needed, builds the embedded default if missing (synthetic world, BM25 index,
 # tiny tokenizer + Qwen2 model warm-started on search demonstrations): QA default --warmstart
@@ -59,8 +59,10 @@ esac
 if [ -z "$WARMSTART" ]; then
   if [ "$TASK" = qa ]; then WARMSTART=early-stop; else WARMSTART=expert; fi
 fi
+# the early-stop family (early-stop, early-stop-50) shares the recipe, the 50 steps and the 1-2-hop training set
+case "$WARMSTART" in early-stop*) EARLY_STOP=1 ;; *) EARLY_STOP= ;; esac
 if [ -z "$STEPS" ]; then
-  if [ "$WARMSTART" = early-stop ]; then STEPS=50; else STEPS=30; fi
+  if [ -n "$EARLY_STOP" ]; then STEPS=50; else STEPS=30; fi
 fi
 
 T0=$(date +%s)
@@ -75,7 +77,7 @@ echo "[demo] embedded default of task $TASK, warm-start $WARMSTART, under $SORL_
 PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART")  # a failed build stops here (set -e)
 eval "$PATHS"
 RECIPE_ARGS=()
-if [ "$WARMSTART" = early-stop ]; then
+if [ -n "$EARLY_STOP" ]; then
   RECIPE_ARGS=(+demo=early_stop)
   if [ "$TASK" = qa ]; then
     # the questions the warm-start has demonstrations for; 3-hop stays in validation

@@ -7,9 +7,12 @@ episodes per training question at each ``--temperatures`` value with the project
 rollout (retrieval in the loop, as the build's evaluation does), estimates p per question and prints,
 per temperature and hop count: mean success, and the expected share of informative groups of
 ``--group`` episodes (unbiased: the probability that G of the question's samples drawn without
-replacement disagree). Writes the numbers as JSON with ``--out``.
+replacement disagree), and the searches per episode (the decision the ``early-stop`` warm-start leaves to RL
+is a second search on multi-hop questions: ``searched_again`` is the share of episodes with >= 2 searches).
+``--warmstart NAME`` reads the named warm-start's root (``embedded-<name>``). Writes the numbers as JSON with ``--out``.
 
     python scripts/group_signal.py --per-hop 24 --samples 8 --temperatures 1.0 1.3 1.6 --group 4
+    python scripts/group_signal.py --warmstart early-stop --per-hop 32 --samples 8 --temperatures 1.0
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,14 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", default="train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    ap.add_argument("--warmstart", default="expert", help="named warm-start of the QA embedded default")
     a = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sorl_verl.agent.prompts import SEARCH_OPEN
+    from sorl_verl.embedded.qa_build import default_root
     from sorl_verl.embedded.warmstart import greedy_rollouts, make_observer
     from sorl_verl.rewards.score import compute_score
 
-    home = Path(os.environ.get("SORL_HOME", Path.home() / ".cache" / "sorl_verl")) / "embedded"
+    home = default_root(a.warmstart)
     if not (home / "model").is_dir():
         print(f"no embedded default under {home}: run `sorl-verl demo` or the test suite once", file=sys.stderr)
         return 2
@@ -61,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     hops = sorted({q["hops"] for q in rows})
     questions = [q for k in hops for q in [q for q in rows if q["hops"] == k][: a.per_hop]]
 
-    result: dict[str, Any] = {"per_hop": a.per_hop, "samples": a.samples, "group": a.group, "split": a.split,
+    result: dict[str, Any] = {"warmstart": a.warmstart, "root": str(home), "per_hop": a.per_hop, "samples": a.samples, "group": a.group, "split": a.split,
                               "temperatures": {}}  # fmt: skip
     print(f"{len(questions)} {a.split} questions x {a.samples} samples; informative = group of {a.group} not all equal")
-    print("| T | hops | mean success | informative groups | questions never solved | always solved |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| T | hops | mean success | informative groups | questions never solved | always solved | searches per episode | searched again |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for temp in a.temperatures:
         torch.manual_seed(a.seed)
         t0 = time.perf_counter()
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             responses = greedy_rollouts(model, tok, batch, observe, temperature=temp)
         em = [compute_score(f"synthetic_{q['hops']}hop", r, {"target": q["golden_answers"]})["em"]
               for q, r in zip(batch, responses, strict=True)]  # fmt: skip
+        searches = [r.count(SEARCH_OPEN) for r in responses]
         per_q = [sum(em[i * a.samples : (i + 1) * a.samples]) for i in range(len(questions))]
         stats: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 1)}
         for k in [*hops, "all"]:
@@ -84,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
                 "informative": sum(informative_share(int(c), a.samples, a.group) for c in succ) / len(idx),
                 "never": sum(c == 0 for c in succ) / len(idx),
                 "always": sum(c == a.samples for c in succ) / len(idx),
+                "searches": sum(searches[i * a.samples + j] for i in idx for j in range(a.samples))
+                / (len(idx) * a.samples),
+                "searched_again": sum(searches[i * a.samples + j] >= 2 for i in idx for j in range(a.samples))
+                / (len(idx) * a.samples),
             }
             stats[str(k)] = s
-            print(f"| {temp} | {k} | {s['mean_success']:.3f} | {s['informative']:.3f} | {s['never']:.2f} | {s['always']:.2f} |",
+            print(f"| {temp} | {k} | {s['mean_success']:.3f} | {s['informative']:.3f} | {s['never']:.2f} | {s['always']:.2f} | {s['searches']:.2f} | {s['searched_again']:.3f} |",
                   flush=True)  # fmt: skip
         result["temperatures"][str(temp)] = stats
     if a.out:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("task", help=f"one of {sorted(TASK_OVERLAYS)}")
     parser.add_argument("--quiet", action="store_true", help="no build progress bars")
-    parser.add_argument("--warmstart", default="expert", help="named warm-start: expert or early-stop")
+    parser.add_argument("--warmstart", default="expert", help="named warm-start of the task (WARM_STARTS): expert, early-stop, ...")
     args = parser.parse_args(argv)
     if args.task not in TASK_OVERLAYS:
         print(f"demo_paths: unknown task {args.task!r}; choose from {sorted(TASK_OVERLAYS)}", file=sys.stderr)

@@ -40,7 +40,7 @@ def test_unknown_warmstart_exits_2_before_building_anything(tmp_path: Path) -> N
     import os
 
     env = {**os.environ, "SORL_HOME": str(tmp_path)}
-    for task, name, names in (("qa", "earlystop", "['early-stop', 'expert']"), ("medical", "earlystop", "['early-stop', 'expert']")):
+    for task, name, names in (("qa", "earlystop", "['early-stop', 'early-stop-50', 'expert']"), ("medical", "earlystop", "['early-stop', 'expert']")):
         proc = subprocess.run([sys.executable, "-m", "sorl_verl.embedded.demo_paths", task, "--warmstart", name],
                               capture_output=True, text=True, env=env)  # fmt: skip
         assert proc.returncode == 2 and proc.stdout == ""
@@ -58,6 +58,8 @@ def test_named_warmstarts_build_under_their_own_root(tmp_path: Path, monkeypatch
     assert default_root("early-stop").name == "embedded-early-stop"
     assert warmstart_config("expert").early_stop_rate == 0.0
     assert warmstart_config("early-stop").early_stop_rate == WARM_STARTS["early-stop"] == 0.6
+    assert default_root("early-stop-50").name == "embedded-early-stop-50"
+    assert warmstart_config("early-stop-50").early_stop_rate == 0.5
     with pytest.raises(ValueError, match="unknown warm-start"):
         default_root("greedy")
 
