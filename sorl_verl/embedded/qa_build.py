@@ -70,8 +70,10 @@ class EmbeddedConfig:
 #: named warm-starts of the QA embedded default -> ``early_stop_rate`` of their demonstrations.
 #: ``expert`` (default): every demonstration is the expert's (the demo's, the study's, the tests');
 #: ``early-stop``: 60 % of the multi-hop ones stop after one search, so that RL has one decision
-#: to learn (search again); ``early-stop-50``: 50 %, which samples a second-search success on 2-hop
-#: questions 2.5-3x as often at T = 1 while greedy still stops (docs/results.md, "The main job learns")
+#: to learn (search again; the demo gained in 3 of 3 seeds on AVX-512, 0 of 3 on AVX2 kernels);
+#: ``early-stop-50`` (the QA demo's default): 50 %, which samples a second-search success on 2-hop
+#: questions 2.5-3x as often at T = 1 while greedy still stops (the demo gained in 6 of 6 seeds on
+#: both; docs/results.md, "The main job learns")
 WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6, "early-stop-50": 0.5}
 
 
