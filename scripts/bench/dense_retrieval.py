@@ -16,16 +16,22 @@
     # serving only, on the saved flat index: unbatched / batched / unbatched with library-default
     # threads, interleaved 3 times, with the server CPU split into encoder, faiss and the rest
     nice -n 19 python scripts/bench/dense_retrieval.py --workdir /tmp/dbench --reuse --serve-only --json-out serve.json
+    # the same, each server pinned to CPU 0 and the load generator to CPU 1, with the Python
+    # client and with wrk (if installed; its client CPU is far lower), the client's CPU share recorded
+    python scripts/bench/dense_retrieval.py --workdir /tmp/dbench --reuse --serve-only --repeats 2 \
+        --server-cpus 0 --client-cpus 1 --load-generator both --json-out pinned.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval import STOP_HEAD, cpu_seconds, pseudo_words  # noqa: E402
+from serve_load import cpu_model, parse_cpus, pin_process, run_wrk, spawn_affinity, task_affinity, wrk_path  # noqa: E402
 
 from sorl_verl.retrieval.build import build_index  # noqa: E402
 from sorl_verl.retrieval.dense import build_faiss_index, encode, load_encoder  # noqa: E402
@@ -75,8 +82,14 @@ def make_queries(sample: list[list[str]], n: int, seed: int) -> list[str]:
     return [" ".join(rng.sample(sorted(set(w)), min(len(set(w)), rng.randint(2, 6)))) for w in rng.choices(sample, k=n)]
 
 
-async def closed_loop(url: str, queries: list[str], clients: int, per_client: int) -> dict[str, Any]:
-    """``clients`` coroutines, each sending ``per_client`` single-query requests one after another."""
+async def closed_loop(
+    url: str, queries: list[str], clients: int, per_client: int, server_pid: int | None = None
+) -> dict[str, Any]:
+    """``clients`` coroutines, each sending ``per_client`` single-query requests one after another.
+
+    ``client_cpu_share``: this process's CPU time (all threads) over the measured round's wall
+    time (1.0 = one core busy); ``server_cpu_share``: the same for process ``server_pid``.
+    """
     lat: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as s:
 
@@ -91,12 +104,15 @@ async def closed_loop(url: str, queries: list[str], clients: int, per_client: in
 
         await asyncio.gather(*(client(c) for c in range(clients)))  # warm-up: one round
         lat.clear()
-        t0 = time.perf_counter()
+        srv0 = cpu_seconds(server_pid) if server_pid else 0.0
+        c0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
-        wall = time.perf_counter() - t0
+        wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+        srv = cpu_seconds(server_pid) - srv0 if server_pid else float("nan")
     ms = np.array(lat) * 1000
     return {"clients": clients, "requests": len(lat), "qps": len(lat) / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99))}  # fmt: skip
+            "p99_ms": float(np.percentile(ms, 99)), "wall_s": wall, "client_cpu_s": client_cpu,
+            "client_cpu_share": client_cpu / wall, "server_cpu_share": srv / wall, "load_generator": "python"}  # fmt: skip
 
 
 def main() -> None:
@@ -116,15 +132,41 @@ def main() -> None:
     ap.add_argument("--serve-only", action="store_true",
                     help="with --reuse: only the serving comparison, the three servers interleaved --repeats times")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the interleaved serving comparison")
+    ap.add_argument("--server-cpus", help="pin every server process to these CPUs (e.g. 0, 0-1); default: not pinned")
+    ap.add_argument("--client-cpus",
+                    help="pin this process (the Python client, and wrk) to these CPUs (e.g. 1); default: not pinned")  # fmt: skip
+    ap.add_argument("--load-generator", choices=("python", "wrk", "both"), default="python",
+                    help="python: aiohttp coroutines in this process; wrk: the wrk program (one thread, "
+                         "--clients connections, closed loop; falls back to python when wrk is not installed)")  # fmt: skip
+    ap.add_argument("--wrk-seconds", type=float, default=10.0, help="measured seconds per wrk run")
+    ap.add_argument("--wrk-warmup-seconds", type=float, default=3.0, help="wrk warm-up seconds before each run")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    server_cpus, client_cpus = parse_cpus(a.server_cpus), parse_cpus(a.client_cpus)
+    if client_cpus is not None and server_cpus is None:  # servers keep the CPUs this process had
+        server_cpus = os.sched_getaffinity(0)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"num_docs": a.num_docs, "hidden": a.hidden, "cpus": os.cpu_count(),
-                           "loadavg_start": os.getloadavg()}  # fmt: skip
+                           "cpu_model": cpu_model(), "loadavg_start": os.getloadavg()}  # fmt: skip
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+    loads = ["python", "wrk"] if a.load_generator == "both" else [a.load_generator]
+    if "wrk" in loads and wrk_path() is None:
+        log("wrk is not installed (Debian/Ubuntu: apt-get install wrk): using the Python client only")
+        res["load_generator_fallback"] = "wrk not installed; python client used"
+        loads = ["python"]
+    res["load_generators"] = loads
+    if server_cpus is not None or client_cpus is not None:
+        res["server_cpus"] = sorted(server_cpus) if server_cpus else None
+        res["client_cpus"] = sorted(client_cpus) if client_cpus else None
+        res["library_default_threads_on_server_cpus"] = _default_threads(server_cpus)
+        log(f"server CPUs {res['server_cpus']}, client CPUs {res['client_cpus']}; torch/faiss default threads "
+            f"there: {res['library_default_threads_on_server_cpus']}")  # fmt: skip
+    if client_cpus is not None:
+        pin_process(client_cpus)
 
     import faiss
     import torch
@@ -158,9 +200,11 @@ def main() -> None:
         def serve(
             name: str, index_dir: Path, wait_ms: float, per_client: int, threads: int | None = a.dense_threads
         ) -> None:
-            r = serve_once(index_dir, queries, wait_ms, a.clients, per_client, threads)
-            res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
-            log(f"{name}: {r}")
+            for load in loads:
+                r = serve_once(index_dir, queries, wait_ms, a.clients, per_client, threads, server_cpus=server_cpus,
+                               load=load, wrk_seconds=a.wrk_seconds, wrk_warmup_seconds=a.wrk_warmup_seconds)  # fmt: skip
+                res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
+                log(f"{name} [{load}]: {r}")
 
         if a.serve_only:  # the three servers interleaved (A, B, C, A, B, C, ...): fair on a shared machine
             for _ in range(a.repeats):
@@ -177,7 +221,7 @@ def main() -> None:
         serve("flat unbatched", flat_dir, 0.0, a.per_client)
         serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
         serve("flat unbatched, default threads (as before)", flat_dir, 0.0, max(1, a.per_client // 4), threads=None)
-        by = {r["server"]: r for r in res["http"]}
+        by = {r["server"]: r for r in res["http"] if r["load_generator"] == loads[0]}
         res["speedup"] = by["flat batched"]["qps"] / by["flat unbatched"]["qps"]
         log(f"batched / unbatched: {res['speedup']:.1f}x")
         if a.json_out:
@@ -225,24 +269,54 @@ def main() -> None:
 
 
 def serve_once(
-    index_dir: Path, queries: list[str], wait_ms: float, clients: int, per_client: int, threads: int | None
+    index_dir: Path,
+    queries: list[str],
+    wait_ms: float,
+    clients: int,
+    per_client: int,
+    threads: int | None,
+    *,
+    server_cpus: set[int] | None = None,
+    load: str = "python",
+    wrk_seconds: float = 10.0,
+    wrk_warmup_seconds: float = 3.0,
 ) -> dict[str, Any]:
     """One server process, ``clients`` closed-loop single-query clients: q/s, latency, where the server CPU went.
 
-    ``server_cpu_ms_per_request``: the server process's CPU time (all threads) per request over
-    the warm-up and measured rounds; ``encode_``/``search_cpu_ms_per_request``: the searching
+    ``server_cpu_ms_per_request``: the server process's CPU time (all threads) per request, over
+    the warm-up and measured rounds (``load="python"``) or over the measured wrk run, per query
+    the server answered (``load="wrk"``); ``encode_``/``search_cpu_ms_per_request``: the searching
     thread's CPU time in the encoder and in faiss (from ``/health``; with more than one
     torch/faiss thread the other threads' share is not in these two but is in the total);
     ``other_cpu_ms_per_request``: the rest (HTTP, JSON, batching, thread hand-offs).
+    ``server_cpus``: the server process (all its threads) runs on these CPUs only.
     """
-    with serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms, max_batch=256,
-                             startup_timeout=600, dense={"intra_op_threads": threads}) as srv:  # fmt: skip
-        stats0 = _health_stats(srv.url)
-        cpu0 = cpu_seconds(srv.pid)
-        r = asyncio.run(closed_loop(srv.url, queries, clients, per_client))
-        cpu = cpu_seconds(srv.pid) - cpu0
-        stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
-    n = 2 * r["requests"]  # warm-up round + measured round
+    with contextlib.ExitStack() as stack:
+        with spawn_affinity(server_cpus):  # the server process inherits the pinning at its start
+            srv = stack.enter_context(serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms,
+                                      max_batch=256, startup_timeout=600, dense={"intra_op_threads": threads}))  # fmt: skip
+        if load == "wrk":
+            bodies = [json.dumps({"query": q, "topk": 3}) for q in queries]
+            req = urllib.request.Request(f"{srv.url}/retrieve", data=bodies[0].encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as resp:  # the same answer check as the Python client's
+                assert len(json.loads(resp.read())["result"][0]) == 3
+            run_wrk(srv.url, bodies, clients, wrk_warmup_seconds)
+            stats0, cpu0 = _health_stats(srv.url), cpu_seconds(srv.pid)
+            r = run_wrk(srv.url, bodies, clients, wrk_seconds)
+            time.sleep(0.5)  # requests still in flight when wrk stopped: counted in both CPU and queries
+            cpu = cpu_seconds(srv.pid) - cpu0
+            stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
+            r["server_cpu_share"] = cpu / r["wall_s"]
+            n = max(1, int(stats["queries"]))
+        else:
+            stats0 = _health_stats(srv.url)
+            cpu0 = cpu_seconds(srv.pid)
+            r = asyncio.run(closed_loop(srv.url, queries, clients, per_client, server_pid=srv.pid))
+            cpu = cpu_seconds(srv.pid) - cpu0
+            stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
+            n = 2 * r["requests"]  # warm-up round + measured round
+        r["server_affinity"] = task_affinity(srv.pid)
     r["server_cpu_ms_per_request"] = 1000 * cpu / n
     r["encode_cpu_ms_per_request"] = 1000 * stats["encode_cpu_s"] / n
     r["search_cpu_ms_per_request"] = 1000 * stats["search_cpu_s"] / n
@@ -251,7 +325,17 @@ def serve_once(
     )
     r["mean_batch"] = stats["queries"] / max(1, stats["calls"])
     r["threads"] = threads
+    r["server_cpus"] = sorted(server_cpus) if server_cpus else None
     return r
+
+
+def _default_threads(cpus: set[int] | None) -> dict[str, int]:
+    """torch's and faiss's default thread counts in a fresh process pinned to ``cpus`` (as a server gets them)."""
+    code = "import faiss, torch; print(torch.get_num_threads(), faiss.omp_get_max_threads())"
+    with spawn_affinity(cpus):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    torch_n, faiss_n = (int(x) for x in out.stdout.split()[-2:])
+    return {"torch": torch_n, "faiss": faiss_n}
 
 
 def _health_stats(url: str) -> dict[str, Any]:
@@ -260,19 +344,23 @@ def _health_stats(url: str) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per server: median q/s and CPU figures over the repeats, and q/s ratios of batched to each unbatched server."""
+    """Per server and load generator: medians over the repeats, and ratios of batched to each unbatched server."""
     out = []
-    for name in dict.fromkeys(r["server"] for r in rows):
-        mine = [r for r in rows if r["server"] == name]
-        keys = ("qps", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "encode_cpu_ms_per_request",
-                "search_cpu_ms_per_request", "other_cpu_ms_per_request", "mean_batch")  # fmt: skip
-        out.append({"server": name, "runs": len(mine), **{k: float(np.median([r[k] for r in mine])) for k in keys}})
-    by = {r["server"]: r for r in out}
-    batched = by.get("flat batched")
-    for r in out:
-        if batched is not None and r is not batched:
-            r["batched_qps_ratio"] = batched["qps"] / r["qps"]
-            r["batched_cpu_ratio"] = r["server_cpu_ms_per_request"] / batched["server_cpu_ms_per_request"]
+    keys = ("qps", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "encode_cpu_ms_per_request",
+            "search_cpu_ms_per_request", "other_cpu_ms_per_request", "mean_batch", "client_cpu_share",
+            "server_cpu_share")  # fmt: skip
+    groups = dict.fromkeys((r.get("load_generator", "python"), r["server"]) for r in rows)
+    for load, name in groups:
+        mine = [r for r in rows if r.get("load_generator", "python") == load and r["server"] == name]
+        med = {k: float(np.median([r[k] for r in mine])) for k in keys if all(k in r for r in mine)}
+        out.append({"server": name, "load_generator": load, "runs": len(mine), **med})
+    for load in dict.fromkeys(g[0] for g in groups):
+        by = {r["server"]: r for r in out if r["load_generator"] == load}
+        batched = by.get("flat batched")
+        for r in by.values():
+            if batched is not None and r is not batched:
+                r["batched_qps_ratio"] = batched["qps"] / r["qps"]
+                r["batched_cpu_ratio"] = r["server_cpu_ms_per_request"] / batched["server_cpu_ms_per_request"]
     return out
 
 
