@@ -15,6 +15,13 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+#: the k3 KL of two float32 evaluations of the same weights: log-prob differences of a few ulps of a
+#: log-prob of order 10 (|d| <= 64 eps ~ 7.6e-6) give k3 ~ d^2 / 2 ~ 3e-11. One update at lr 1e-4 moved
+#: it to 9.8e-9 on an AMD EPYC (AVX2), under the former fixed floor of 1e-8 that AVX-512 machines had
+#: passed: its size depends on the CPU's kernels; there it is ~300x this rounding bound.
+ROUNDING_KL = 0.5 * (64 * 1.1920929e-07) ** 2
+
+
 def train_steps(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in records if "timing_s/step" in r["data"]}
 
@@ -98,7 +105,8 @@ def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
         assert float(m["critic/advantages/max"]) > float(m["critic/advantages/min"])
     assert max(float(m["actor/sorl/num_turns_mean"]) for m in steps.values()) > 1.0
     # the reference model ran (sharded on CPU): step 1 trains from the reference's own weights, so the
-    # KL to it is 0 up to rounding; after one update it is positive
+    # KL to it is 0 up to rounding; after one update it is positive, well above rounding
     kl = {s: float(m["actor/kl_loss"]) for s, m in steps.items()}
     assert all(math.isfinite(v) and v >= 0.0 for v in kl.values()), kl
-    assert kl[2] > 10 * max(kl[1], 1e-9), kl
+    assert kl[1] <= ROUNDING_KL, kl
+    assert kl[2] > 10 * ROUNDING_KL, kl
