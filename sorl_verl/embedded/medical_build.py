@@ -51,6 +51,13 @@ TWIN_SEED_OFFSET = 1000
 SPLITS = ("train", "val", "test")
 
 
+#: SFT steps of every medical warm-start. The copy skill (answering with a name read in a retrieved
+#: passage) appears at a CPU-dependent point past 450 steps: after 600 an AVX-512 build had it (greedy
+#: 0.82) and an AVX2 one (AMD EPYC) had not (greedy 0.18, loss 0.28); after 1000 both kinds copy (AVX2
+#: greedy 0.95, loss 0.003; the AVX-512 early-stop build 0.87, loss 0.011; docs/embedded-default.md)
+MEDICAL_SFT_STEPS = 1000
+
+
 @dataclass(frozen=True)
 class MedicalEmbeddedConfig:
     """Parameters of every build step (all enter the stamps)."""
@@ -58,7 +65,7 @@ class MedicalEmbeddedConfig:
     world: MedicalWorldConfig = field(default_factory=MedicalWorldConfig)
     vocab_size: int = 3000
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=MEDICAL_SFT_STEPS))
     #: SFT trajectories per question type of the world itself (small types get extra option draws)
     sft_per_type: int = 300
     #: twin worlds (same names, other facts: :func:`generate_medical_world` ``twin_of``) whose every question
@@ -104,9 +111,6 @@ class MedicalEmbeddedConfig:
 #: (default) answers every question; ``early-stop``: 60 % of the two-hop ones answer the bridge entity
 #: after one search (as the QA default's ``early-stop``), so that RL has one decision to learn
 WARM_STARTS: dict[str, float] = {"expert": 0.0, "early-stop": 0.6}
-#: SFT steps of a warm-start with early stops: at the default's 600 the copy skill had not appeared
-#: (greedy 0.03, loss 0.51), at 1000 it had (greedy 0.87, loss 0.011; docs/embedded-default.md)
-EARLY_STOP_SFT_STEPS = 1000
 
 
 def default_root(warmstart: str = "expert") -> Path:
@@ -115,12 +119,8 @@ def default_root(warmstart: str = "expert") -> Path:
 
 
 def warmstart_config(warmstart: str) -> MedicalEmbeddedConfig:
-    """The build parameters of a named warm-start: the defaults but ``early_stop_rate`` and, where it is
-    not 0, :data:`EARLY_STOP_SFT_STEPS` SFT steps."""
-    rate = named_warmstart(WARM_STARTS, warmstart)
-    if not rate:
-        return MedicalEmbeddedConfig()
-    return MedicalEmbeddedConfig(early_stop_rate=rate, sft=replace(SFTConfig(), steps=EARLY_STOP_SFT_STEPS))
+    """The build parameters of a named warm-start: the defaults but ``early_stop_rate``."""
+    return MedicalEmbeddedConfig(early_stop_rate=named_warmstart(WARM_STARTS, warmstart))
 
 
 def medical_paths(root: str | Path) -> EmbeddedPaths:
