@@ -80,10 +80,16 @@ def test_index_dir_is_a_bm25s_index(corpus: tuple[list[str], Path, Path], fp32) 
     inv = {v: k for k, v in tokens.vocab.items()}
     q = [[inv[i] for i in tokens.ids[0]]]
     docs, scores = ref.retrieve(q, k=5, show_progress=False)
+    every = ref.get_scores(q[0])  # bm25s's score of every passage
     ours = load_searcher(index_dir).search_ids(["capital river painter"], 5)[0]
-    assert [p for p, _ in ours] == docs[0].tolist()
+    ids, mine = [p for p, _ in ours], [s for _, s in ours]
     rel = fp32.between(1.0, len(q[0]))  # the same stored float32 term scores, summed in two orders
-    np.testing.assert_allclose([s for _, s in ours], scores[0], rtol=rel)
+    np.testing.assert_allclose(mine, scores[0], rtol=rel)  # the same top-5 scores, rank by rank
+    np.testing.assert_allclose(every[ids], mine, rtol=rel)  # and each passage scores what bm25s gives it
+    # the same passages, but where two scores tie within that rounding (their order is the summation's)
+    tie = rel * float(np.max(np.abs(scores[0])))
+    for rank, (p, theirs) in enumerate(zip(ids, docs[0].tolist(), strict=True)):
+        assert p == theirs or abs(float(every[p]) - float(every[theirs])) <= tie, (rank, p, theirs, every[[p, theirs]])
 
 
 def test_search_results_shape_order_and_topk(corpus: tuple[list[str], Path, Path]) -> None:
