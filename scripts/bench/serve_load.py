@@ -101,6 +101,16 @@ def cpu_model() -> str:
     return ""
 
 
+def cpu_simd() -> list[str]:
+    """Which of the vector extensions that faiss/torch kernels use the CPU has (from /proc/cpuinfo flags)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+    return []
+
+
 def wrk_path() -> str | None:
     """Path of the ``wrk`` executable, or None when it is not installed."""
     return shutil.which("wrk")

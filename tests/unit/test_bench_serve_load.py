@@ -87,3 +87,9 @@ def test_run_wrk_without_wrk_says_so(monkeypatch):
     monkeypatch.setattr(serve_load, "wrk_path", lambda: None)
     with pytest.raises(FileNotFoundError, match="apt-get install wrk"):
         serve_load.run_wrk("http://127.0.0.1:9", ['{"query": "a"}'], 1, 1)
+
+
+def test_cpu_description_helpers_return_plain_values():
+    assert isinstance(serve_load.cpu_model(), str)
+    simd = serve_load.cpu_simd()
+    assert isinstance(simd, list) and set(simd) <= {"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile"}
