@@ -8,7 +8,8 @@ Scores are bm25s' ``method="lucene"``: for query term t and document d,
 and a query scores the sum over its terms (a repeated query term counts again). The scores are
 precomputed per (term, document) (:mod:`.bm25_build`, in bounded memory) and saved in bm25s' layout (``data/indices/indptr.csc.index.npy``,
 ``vocab.index.json``, ``params.index.json``), so ``bm25s.BM25.load(index_dir)`` reads the same
-index. Retrieval is exact top-k with MaxScore pruning (see :class:`BM25Scorer`), or a sparse
+index. Retrieval is exact top-k with MaxScore pruning (see :class:`BM25Scorer`; compiled in
+:mod:`.bm25_kernel` where numba is installed), or a sparse
 query-term x term-document product (scipy) for a whole batch.
 """
 
@@ -28,12 +29,24 @@ import scipy.sparse as sp
 
 from .analyzer import Analyzer
 
+
+def load_kernel() -> Any:
+    """The compiled MaxScore module :mod:`.bm25_kernel`, or None where numba is not installed."""
+    try:
+        from . import bm25_kernel
+    except ImportError:
+        return None
+    return bm25_kernel
+
+
 DATA_FILE = "data.csc.index.npy"
 INDICES_FILE = "indices.csc.index.npy"
 INDPTR_FILE = "indptr.csc.index.npy"
 VOCAB_FILE = "vocab.index.json"
 PARAMS_FILE = "params.index.json"
 BM25_FILES = (DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, PARAMS_FILE)
+
+STRATEGIES = ("maxscore", "maxscore-numpy", "matmul")
 
 DEFAULT_PARAMS: dict[str, Any] = {"k1": 1.5, "b": 0.75, "stopwords": "en", "stemmer": "english"}
 
@@ -102,6 +115,11 @@ class BM25Scorer:
     the remaining terms' scores by binary search in the (document-sorted) postings.
     ``strategy="matmul"`` scores every posting of every query term with one sparse product
     per batch; both give the same documents (scores equal up to float32 summation order).
+
+    Where numba is installed, ``"maxscore"`` runs the compiled block-max MaxScore of
+    :mod:`.bm25_kernel` (no scratch array, GIL released while scoring) with the same
+    ``theta`` and essential/non-essential split as the numpy code, so its top-k (documents,
+    float32 scores and tie order) is bit-identical; ``"maxscore-numpy"`` forces the numpy code.
     """
 
     max_matmul_rows = 64
@@ -119,8 +137,8 @@ class BM25Scorer:
         strategy: str = "maxscore",
         scratch_buffers: int | None = None,
     ) -> None:
-        if strategy not in ("maxscore", "matmul"):
-            raise ValueError(f"unknown BM25 strategy {strategy!r}; use 'maxscore' or 'matmul'")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown BM25 strategy {strategy!r}; use one of {STRATEGIES}")
         index_dir = Path(index_dir)
         mode = "r" if mmap else None
         # plain ndarray views of the (maybe memory-mapped) arrays: slicing a np.memmap costs more per call
@@ -141,10 +159,14 @@ class BM25Scorer:
         self.matrix = sp.csr_matrix(
             (self.data, self.indices, indptr), shape=(len(self.vocab), self.num_docs), copy=False
         )
-        nonempty = np.flatnonzero(np.diff(indptr))
-        self.max_score = np.zeros(len(self.vocab), dtype=np.float32)
-        if len(nonempty):
-            self.max_score[nonempty] = np.maximum.reduceat(np.asarray(self.data), indptr[nonempty])
+        self._kernel = load_kernel() if strategy == "maxscore" else None
+        if self._kernel is not None:  # one pass: per-block and per-term maxima
+            self._bbase, self._bmax, self.max_score = self._kernel.block_maxima(self.data, indptr, self._kernel.BLOCK)
+        else:
+            nonempty = np.flatnonzero(np.diff(indptr))
+            self.max_score = np.zeros(len(self.vocab), dtype=np.float32)
+            if len(nonempty):
+                self.max_score[nonempty] = np.maximum.reduceat(np.asarray(self.data), indptr[nonempty])
         self.analyzer = Analyzer(params["stopwords"], params["stemmer"])
         self.strategy = strategy
         self.n_threads = max(1, n_threads)
@@ -251,22 +273,97 @@ class BM25Scorer:
         cand, scores = self._harvest(touched, acc, 0.0)
         return self._select(cand, scores, k)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether MaxScore runs in the compiled kernel (:mod:`.bm25_kernel`) rather than numpy."""
+        return self._kernel is not None
+
+    def _kernel_split(
+        self, counts: np.ndarray, bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, k: int
+    ) -> tuple[int, float]:
+        """``(n_non, tau0)`` for :func:`.bm25_kernel.topk_query`, as the numpy path decides them.
+
+        ``n_non``: how many of the non-empty lists (ascending bound) the numpy path treats as
+        non-essential (0 on its single-term and exhaustive paths: every list gives candidates and
+        the score is one fold). ``tau0``: its ``theta`` lowered by the float32 rounding between a
+        partial score and the full one (see :mod:`.bm25_kernel`), or 0.
+        """
+        lengths = ends - starts
+        n_lists = int(np.count_nonzero(lengths))
+        if n_lists == 1 or int(lengths.sum()) <= self.exhaustive_postings:
+            return 0, 0.0
+        slices = [(int(a), int(b), float(w)) for a, b, w in zip(starts, ends, counts, strict=True) if b > a]
+        theta = self._theta(slices, starts, ends, counts, k)
+        n_non = int(np.searchsorted(np.cumsum(bounds), theta, side="left"))
+        if not lengths[n_non:].any():  # the numpy path's exhaustive fallback
+            return 0, 0.0
+        rel = (n_lists + 2) * 2.0**-23
+        return int(np.count_nonzero(lengths[:n_non])), theta * (1.0 - 2.0 * rel)
+
+    def _topk_kernel(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
+        """The numpy MaxScore path's result (bit-identical), computed by :func:`.bm25_kernel.topk_query`."""
+        terms, counts, bounds, starts, ends = self._query_terms(term_ids)
+        keep = np.flatnonzero(ends > starts)
+        if not len(keep):
+            return []
+        n_non, tau0 = self._kernel_split(counts, bounds, starts, ends, k)
+        terms = terms[keep]
+        args = (
+            self.indices, self.data, self._bmax, starts[keep].astype(np.int64), ends[keep].astype(np.int64),
+            self._bbase[terms], counts[keep], bounds[keep], n_non,
+        )  # fmt: skip
+        room = min(k, int((ends - starts).sum()))
+        out_docs, out_scores = np.empty(room, np.int64), np.empty(room, np.float32)
+        n = self._kernel.topk_query(*args, tau0, room, self._kernel.BLOCK, out_docs, out_scores)
+        if n < room and tau0 > 0.0:  # tau0 was not a bound on k candidates (float rounding): search them all
+            n = self._kernel.topk_query(*args, 0.0, room, self._kernel.BLOCK, out_docs, out_scores)
+        return list(zip(out_docs[:n].tolist(), out_scores[:n].tolist(), strict=True))
+
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
         if not term_ids:
             return []
+        if self._kernel is not None:
+            return self._topk_kernel(term_ids, k)
         with self.scratch.lend() as acc:
             return self._topk_maxscore_scratch(term_ids, k, acc)
 
-    def _topk_maxscore_scratch(self, term_ids: list[int], k: int, acc: np.ndarray) -> list[tuple[int, float]]:
-        if not term_ids:
-            return []
+    def _query_terms(self, term_ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(terms, counts, bounds, starts, ends)`` of the distinct query terms, by ascending bound (stable).
+
+        A term's weight ``w`` is its count in the query (float32) and its bound
+        ``U = count * max_score`` (float64); terms first sorted by id, so the order is a function
+        of the query's multiset of terms. Empty posting lists are kept (bound 0).
+        """
         tally = Counter(term_ids)
         terms = np.array(sorted(tally), dtype=np.int64)
         counts = np.array([tally[t] for t in terms.tolist()], dtype=np.int64)
         bounds = counts * self.max_score[terms]
         order = np.argsort(bounds, kind="stable")
         terms, counts, bounds = terms[order], counts[order].astype(np.float32), bounds[order]
-        starts, ends = self.indptr[terms], self.indptr[terms + 1]
+        return terms, counts, bounds, self.indptr[terms], self.indptr[terms + 1]
+
+    def _theta(
+        self, slices: list[tuple[int, int, float]], starts: np.ndarray, ends: np.ndarray, counts: np.ndarray, k: int
+    ) -> float:
+        """A lower bound on the k-th best score, from partial scores (each <= the full score) of
+        distinct real documents: a sample of the shortest list scored against the short lists,
+        and the k-th best single-term score of each short list."""
+        short = [sl for sl in slices if sl[1] - sl[0] <= self.short_list]
+        j = int(np.argmin(ends - starts + (ends == starts) * np.iinfo(np.int32).max))
+        sample = np.asarray(self.indices[starts[j] : min(ends[j], starts[j] + self.theta_sample)])
+        theta = 0.0
+        if len(sample) >= k:
+            sample_scores = self._lookup(sample, short or [(int(starts[j]), int(ends[j]), float(counts[j]))])
+            theta = float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
+        for start, end, w in short:
+            if end - start >= k:
+                theta = max(theta, w * self._kth_largest(start, end, k))
+        return theta
+
+    def _topk_maxscore_scratch(self, term_ids: list[int], k: int, acc: np.ndarray) -> list[tuple[int, float]]:
+        if not term_ids:
+            return []
+        _, counts, bounds, starts, ends = self._query_terms(term_ids)
         slices = [(int(a), int(b), float(w)) for a, b, w in zip(starts, ends, counts, strict=True) if b > a]
         if not slices:
             return []
@@ -279,23 +376,11 @@ class BM25Scorer:
             return self._select(self.indices[start:end], vals, k)
         if sum(end - start for start, end, _ in slices) <= self.exhaustive_postings:
             return self._accumulate_select(slices, k, acc)
-        # theta: a lower bound on the k-th best score, from partial scores (each <= the full score) of
-        # distinct real documents: a sample of the shortest list scored against the short lists,
-        # and the k-th best single-term score of each short list.
-        short = [sl for sl in slices if sl[1] - sl[0] <= self.short_list]
-        j = int(np.argmin(ends - starts + (ends == starts) * np.iinfo(np.int32).max))
-        sample = np.asarray(self.indices[starts[j] : min(ends[j], starts[j] + self.theta_sample)])
-        theta = 0.0
-        if len(sample) >= k:
-            sample_scores = self._lookup(sample, short or [(int(starts[j]), int(ends[j]), float(counts[j]))])
-            theta = float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
-        for start, end, w in short:
-            if end - start >= k:
-                theta = max(theta, w * self._kth_largest(start, end, k))
+        theta = self._theta(slices, starts, ends, counts, k)
         n_non = int(np.searchsorted(np.cumsum(bounds), theta, side="left"))  # prefix with sum(U) < theta
         non_bound = float(bounds[:n_non].sum())
         essential = [
-            (int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non, len(terms)) if ends[i] > starts[i]
+            (int(starts[i]), int(ends[i]), float(counts[i])) for i in range(n_non, len(counts)) if ends[i] > starts[i]
         ]
         if len(essential) == 1:  # the partial scores are the one list's contributions: no accumulator
             start, end, w = essential[0]

@@ -1,0 +1,255 @@
+"""Compiled (numba) exact top-k for :class:`~sorl_verl.retrieval.bm25.BM25Scorer`: block-max MaxScore.
+
+The index is bm25s' CSC layout unchanged: term ``t``'s postings are ``indices[indptr[t]:indptr[t+1]]``
+(document positions, ascending) with ``data[...]`` the float32 score of ``(t, doc)``. At load,
+:func:`block_maxima` cuts every posting list into blocks of ``BLOCK`` postings (the last one
+shorter) and stores each block's largest score (one float32 per block: 1/128 of the postings'
+bytes) and each term's largest score (``max_score``, equal to ``np.maximum.reduceat``).
+
+:func:`topk_query` scores one query. Its lists ``0..m-1`` (the non-empty query terms) come sorted
+by ascending bound ``ub_i = w_i * max_score`` (``w_i``: the term's count in the query) and split
+at ``n_non`` exactly as the numpy scorer splits them, so that a document's score is the numpy
+scorer's float32 arithmetic, bit for bit::
+
+    c_i(d) = fl32(w_i * data_i(d))                         (absent term: no term)
+    P(d)   = fold_+ of c_i(d), i = n_non .. m-1 (ascending)  (the "essential" partial score)
+    T(d)   = fold_+ of c_i(d), i = 0 .. n_non-1 (ascending)
+    s(d)   = fl32(P(d) + T(d))                              (T = 0 adds exactly nothing)
+
+and the candidates are the documents of lists ``n_non..m-1`` (``n_non = 0``: every list; the
+numpy scorer's single-term and exhaustive paths are that case). The result is the exact top
+``k`` of ``s`` over the candidates, ordered by score descending, ties by smaller document.
+
+The search is document-at-a-time MaxScore with block-max skipping: ``tau`` is a lower bound on
+the k-th best score (the caller's ``tau0``, then the k-th score in a heap of the best so far);
+lists whose bounds sum (a prefix) stays below ``tau`` are non-essential: a document only in them
+cannot enter, so candidates are taken from the other lists, and the non-essential lists are
+searched (galloping) only for candidates whose upper bound still reaches ``tau``. When the sum of
+the essential lists' current block maxima plus the non-essential bounds is below ``tau``, every
+essential cursor skips past the smallest of those blocks' last documents.
+
+Pruning is safe under float32 rounding: with ``u = 2**-24`` each stored product
+``fl32(w x) <= w x (1 + u)`` and a float32 fold of ``n`` positive terms is at most
+``(1 + u)**(n-1)`` times the exact sum, so ``s(d) <= UB(d) * (1 + (m + 1) u + O(u^2))`` for any
+float64 upper bound ``UB(d)`` of the exact sum. A document is dropped only when
+``UB(d) * (1 + rel) < tau`` with ``rel = (m + 2) * 2**-23`` (twice that, covering the
+higher-order and float64 terms), i.e. only when ``s(d) < tau``; ties at ``tau`` are evaluated
+(a later, larger document loses a tie to the heap's, as the order requires). All functions are
+``nogil``: two threads score two queries at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+BLOCK = 64
+SENTINEL = np.iinfo(np.int64).max
+
+
+@njit(nogil=True, cache=True)
+def block_maxima(data: np.ndarray, indptr: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(bbase, bmax, max_score)``: term ``t``'s block ``j`` maximum is ``bmax[bbase[t] + j]``.
+
+    Block ``j`` of term ``t`` holds postings ``indptr[t] + j*block`` up to (excluding)
+    ``min(indptr[t] + (j+1)*block, indptr[t+1])``; ``max_score[t]`` is the largest score of the
+    term (0 for an empty list). One pass over ``data``.
+    """
+    n_terms = len(indptr) - 1
+    bbase = np.empty(n_terms + 1, np.int64)
+    bbase[0] = 0
+    for t in range(n_terms):
+        bbase[t + 1] = bbase[t] + (indptr[t + 1] - indptr[t] + block - 1) // block
+    bmax = np.empty(bbase[n_terms], np.float32)
+    tmax = np.zeros(n_terms, np.float32)
+    for t in range(n_terms):
+        b, end = bbase[t], indptr[t + 1]
+        for p0 in range(indptr[t], end, block):
+            mx = data[p0]
+            for p in range(p0 + 1, min(p0 + block, end)):
+                if data[p] > mx:
+                    mx = data[p]
+            bmax[b] = mx
+            if b == bbase[t] or mx > tmax[t]:
+                tmax[t] = mx
+            b += 1
+    return bbase, bmax, tmax
+
+
+@njit(nogil=True, cache=True)
+def _seek(indices: np.ndarray, pos: int, end: int, target: int) -> int:
+    """First position ``p`` in ``[pos, end)`` with ``indices[p] >= target`` (``end`` if none); galloping."""
+    if pos >= end or indices[pos] >= target:
+        return pos
+    lo, step = pos, 1  # invariant: indices[lo] < target
+    while True:
+        hi = lo + step
+        if hi >= end:
+            hi = end
+            break
+        if indices[hi] >= target:
+            break
+        lo = hi
+        step *= 2
+    while hi - lo > 1:  # indices[lo] < target <= indices[hi] (or hi == end)
+        mid = (lo + hi) >> 1
+        if indices[mid] >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@njit(nogil=True, cache=True)
+def _worse(s1: float, d1: int, s2: float, d2: int) -> bool:
+    """Whether ``(s1, d1)`` ranks below ``(s2, d2)``: lower score, or the same score and a larger document."""
+    return s1 < s2 or (s1 == s2 and d1 > d2)
+
+
+@njit(nogil=True, cache=True)
+def _sift_down(hs: np.ndarray, hd: np.ndarray, n: int, i: int) -> None:
+    """Restore the min-heap (worst entry at 0) of ``hs/hd[:n]`` below ``i``."""
+    while True:
+        least, left, right = i, 2 * i + 1, 2 * i + 2
+        if left < n and _worse(hs[left], hd[left], hs[least], hd[least]):
+            least = left
+        if right < n and _worse(hs[right], hd[right], hs[least], hd[least]):
+            least = right
+        if least == i:
+            return
+        hs[i], hs[least] = hs[least], hs[i]
+        hd[i], hd[least] = hd[least], hd[i]
+        i = least
+
+
+@njit(nogil=True, cache=True)
+def _push(hs: np.ndarray, hd: np.ndarray, n: int, s: np.float32, d: int) -> None:
+    """Add ``(s, d)`` as entry ``n`` of the min-heap ``hs/hd[:n]``."""
+    hs[n], hd[n] = s, d
+    i = n
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _worse(hs[i], hd[i], hs[parent], hd[parent]):
+            return
+        hs[i], hs[parent] = hs[parent], hs[i]
+        hd[i], hd[parent] = hd[parent], hd[i]
+        i = parent
+
+
+@njit(nogil=True, cache=True)
+def _doc_at(indices: np.ndarray, pos: int, end: int) -> int:
+    return indices[pos] if pos < end else SENTINEL
+
+
+@njit(nogil=True, cache=True)
+def topk_query(
+    indices: np.ndarray,
+    data: np.ndarray,
+    bmax: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    bstarts: np.ndarray,
+    w: np.ndarray,
+    ub: np.ndarray,
+    n_non: int,
+    tau0: float,
+    k: int,
+    block: int,
+    out_docs: np.ndarray,
+    out_scores: np.ndarray,
+) -> int:
+    """Exact top-``k`` of ``s(d)`` (module docstring) into ``out_docs/out_scores``; returns how many.
+
+    ``starts/ends`` (int64): the non-empty lists' posting ranges, ascending ``ub`` (float64,
+    ``w * max_score``); ``bstarts``: each list's first block in ``bmax``; ``w``: float32 weights;
+    ``tau0``: a lower bound on the k-th best score such that at least ``k`` candidates score at
+    least it (0 when unknown). ``out_*`` have room for ``k`` entries.
+    """
+    m = len(starts)
+    pos = starts.copy()
+    cur = np.empty(m, np.int64)
+    prefix = np.zeros(m + 1, np.float64)  # prefix[i]: sum of the bounds of lists 0..i-1
+    for i in range(m):
+        cur[i] = _doc_at(indices, pos[i], ends[i])
+        prefix[i + 1] = prefix[i] + ub[i]
+    rel = (m + 2) * 2.0**-23
+    tau = tau0
+    hs = np.empty(k, np.float32)
+    hd = np.empty(k, np.int64)
+    hn = 0
+    c = np.zeros(m, np.float32)
+    hit = np.zeros(m, np.bool_)
+    p = n_non  # lists p..m-1 are essential (numpy's non-essential lists never give candidates)
+    while p < m and prefix[p + 1] * (1.0 + rel) < tau:
+        p += 1
+    while p < m:
+        d = SENTINEL
+        for i in range(p, m):
+            if cur[i] < d:
+                d = cur[i]
+        if d == SENTINEL:
+            break
+        # block-max bound of every document up to the first essential block end
+        bsum, last_min = prefix[p], SENTINEL
+        for i in range(p, m):
+            if cur[i] != SENTINEL:
+                j = (pos[i] - starts[i]) // block
+                bsum += w[i] * np.float64(bmax[bstarts[i] + j])
+                last = indices[min(starts[i] + (j + 1) * block, ends[i]) - 1]
+                if last < last_min:
+                    last_min = last
+        if bsum * (1.0 + rel) < tau:
+            for i in range(p, m):
+                if cur[i] <= last_min:
+                    pos[i] = _seek(indices, pos[i], ends[i], last_min + 1)
+                    cur[i] = _doc_at(indices, pos[i], ends[i])
+            continue
+        partial = 0.0  # float64 sum of the contributions found so far
+        for i in range(p, m):
+            hit[i] = cur[i] == d
+            if hit[i]:
+                c[i] = w[i] * data[pos[i]]
+                partial += c[i]
+                pos[i] += 1
+                cur[i] = _doc_at(indices, pos[i], ends[i])
+        if (partial + prefix[p]) * (1.0 + rel) < tau:
+            continue
+        alive = True
+        for i in range(p - 1, -1, -1):  # non-essential lists, largest bound first
+            pos[i] = _seek(indices, pos[i], ends[i], d)
+            cur[i] = _doc_at(indices, pos[i], ends[i])
+            hit[i] = cur[i] == d
+            if hit[i]:
+                c[i] = w[i] * data[pos[i]]
+                partial += c[i]
+            if (partial + prefix[i]) * (1.0 + rel) < tau:
+                alive = False
+                break
+        if not alive:
+            continue
+        part = np.float32(0.0)
+        for i in range(n_non, m):
+            if hit[i]:
+                part = part + c[i]
+        rest = np.float32(0.0)
+        for i in range(n_non):
+            if hit[i]:
+                rest = rest + c[i]
+        s = part + rest
+        if hn < k:
+            _push(hs, hd, hn, s, d)
+            hn += 1
+        elif s > hs[0]:  # d is larger than every heap document: it must beat the worst score
+            hs[0], hd[0] = s, d
+            _sift_down(hs, hd, hn, 0)
+        else:
+            continue
+        if hn == k and hs[0] > tau:
+            tau = hs[0]
+            while p < m and prefix[p + 1] * (1.0 + rel) < tau:
+                p += 1
+    for n in range(hn - 1, -1, -1):  # pop the worst first: fill from the back
+        out_scores[n], out_docs[n] = hs[0], hd[0]
+        hs[0], hd[0] = hs[n], hd[n]
+        _sift_down(hs, hd, n, 0)
+    return hn
