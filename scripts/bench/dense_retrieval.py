@@ -44,12 +44,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval import STOP_HEAD, cpu_seconds, pseudo_words  # noqa: E402
-from serve_load import cpu_model, cpu_simd, parse_cpus, pin_process, run_wrk, spawn_affinity, task_affinity, wrk_path  # noqa: E402
+from serve_load import cpu_simd, parse_cpus, pin_process, run_wrk, spawn_affinity, task_affinity, wrk_path  # noqa: E402
 
 from sorl_verl.retrieval.build import build_index  # noqa: E402
 from sorl_verl.retrieval.dense import build_faiss_index, encode, load_encoder  # noqa: E402
 from sorl_verl.retrieval.server import serve_in_background  # noqa: E402
 from sorl_verl.retrieval.tiny_encoder import make_tiny_encoder  # noqa: E402
+from sorl_verl.study.runner import cpu_name  # noqa: E402
 
 TARGET_SPEEDUP = 10.0
 
@@ -148,7 +149,7 @@ def main() -> None:
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="sorl-dense-"))
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"num_docs": a.num_docs, "hidden": a.hidden, "cpus": os.cpu_count(),
-                           "cpu_model": cpu_model(), "cpu_simd": cpu_simd(), "loadavg_start": os.getloadavg()}  # fmt: skip
+                           "cpu_model": cpu_name(), "cpu_simd": cpu_simd(), "loadavg_start": os.getloadavg()}  # fmt: skip
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)

@@ -92,22 +92,24 @@ def task_affinity(pid: int) -> dict[str, Any]:
     return {"threads": len(tasks), "cpus_allowed": sorted(lists)}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo; empty if unknown)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return ""
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
-def cpu_simd() -> list[str]:
-    """Which of the vector extensions that faiss/torch kernels use the CPU has (from /proc/cpuinfo flags)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "amx_tile") if f in flags]
+def cpu_simd(cpuinfo: str | None = None) -> list[str]:
+    """Which of the vector extensions that faiss/torch kernels use the CPU has (``/proc/cpuinfo`` flags).
+
+    ``cpuinfo``: that file's text (default: read it; [] when unreadable). The model name with the
+    widest extension is :func:`sorl_verl.study.runner.cpu_name`.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return [f for f in SIMD_FLAGS if f in flags]
     return []
 
 

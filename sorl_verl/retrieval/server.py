@@ -22,6 +22,9 @@ serving while a batch is scored and at most ``workers`` searches (and their scra
 live at a time. With ``batch_wait_ms > 0`` concurrent requests are merged into one search call
 (:mod:`.batching`); ``batch_wait_ms=None`` picks 2 ms for dense indexes and off for BM25.
 
+HTTP is parsed by uvicorn's ``httptools`` protocol (C) when installed, else by pure-Python
+``h11`` (``--http`` picks one); both carry the same guards (:class:`_ConnectionGuard`).
+
 CLI: ``python -m sorl_verl.retrieval.server --index DIR [--host 127.0.0.1] [--port 8000]``.
 """
 
@@ -48,6 +51,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - httptools is a dependency; h11 remains the fallback
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from .batching import DynamicBatcher
 from .index import Searcher, default_workers, load_searcher
@@ -187,7 +195,8 @@ def create_app(
     app.state.limits = limits
     app.state.pool = pool
     app.state.batcher = batcher
-    serving = {"workers": workers, "batch_wait_ms": batch_wait_ms, "max_batch": max_batch}
+    serving: dict[str, Any] = {"workers": workers, "batch_wait_ms": batch_wait_ms, "max_batch": max_batch}
+    app.state.serving = serving
 
     async def run_search(queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
         if batcher is not None:
@@ -236,19 +245,26 @@ def _raw_json_response(status: int, reason: str, message: str) -> bytes:
     return head.encode() + b"connection: close\r\n\r\n" + body
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol plus a header read timeout, a connection cap and JSON errors.
+class _ConnectionGuard:
+    """A header read timeout, a connection cap and JSON errors for a uvicorn HTTP protocol.
 
-    ``limits`` is set on a subclass by :func:`guarded_protocol`. A connection opened while
-    ``max_connections`` are open gets a 503 and is closed; a request whose headers are not
-    complete ``header_timeout`` seconds after the connection opened (or, on a kept-alive
-    connection, after its first byte) gets a 408 and the connection is closed (silently if
-    nothing arrived). uvicorn's own keep-alive timeout still closes idle connections.
+    Mixed in before uvicorn's ``H11Protocol`` or ``HttpToolsProtocol``; ``limits`` is set on a
+    subclass by :func:`guarded_protocol`. A connection opened while ``max_connections`` are open
+    gets a 503 and is closed; a request whose headers are not complete ``header_timeout``
+    seconds after the connection opened (or, on a kept-alive connection, after its first byte)
+    gets a 408 and the connection is closed (silently if nothing arrived); malformed HTTP gets a
+    JSON 400. uvicorn's own keep-alive timeout still closes idle connections. The subclass arms
+    the timer on a request's first byte and calls ``_cancel_header_timer`` once its headers are
+    parsed.
     """
 
     limits: Limits = Limits()
     _header_timer: asyncio.TimerHandle | None = None
     _refused = False
+    connections: set[Any]
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
@@ -258,29 +274,14 @@ class GuardedH11Protocol(H11Protocol):
             transport.write(_raw_json_response(503, "Service Unavailable", message + "; retry later"))
             transport.close()
             return
-        super().connection_made(transport)
-        self._got_bytes = False
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         if self._refused:
             return
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        if self._header_timer is None and self.conn.their_state is h11.IDLE:
-            self._arm_header_timer()  # first byte of the next request on a kept-alive connection
-        self._got_bytes = True
-        super().data_received(data)
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request's headers were parsed
-            self._cancel_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def send_400_response(self, msg: str) -> None:
         self.transport.write(_raw_json_response(400, "Bad Request", f"malformed HTTP request: {msg}"))
@@ -306,16 +307,82 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(limits: Limits) -> type[GuardedH11Protocol]:
-    """A :class:`GuardedH11Protocol` subclass enforcing ``limits``."""
-    return type("GuardedH11ProtocolWithLimits", (GuardedH11Protocol,), {"limits": limits})
+class GuardedH11Protocol(_ConnectionGuard, H11Protocol):
+    """uvicorn's pure-Python h11 protocol with the :class:`_ConnectionGuard` limits."""
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._header_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # first byte of the next request on a kept-alive connection
+        self._got_bytes = True
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers were parsed
+            self._cancel_header_timer()
 
 
-def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
-    """uvicorn config for ``app``: the guarded h11 protocol with the app's limits."""
+HTTP_PROTOCOLS: dict[str, type[_ConnectionGuard]] = {"h11": GuardedH11Protocol}
+
+if HttpToolsProtocol is not None:
+
+    class GuardedHttpToolsProtocol(_ConnectionGuard, HttpToolsProtocol):
+        """uvicorn's ``httptools`` (C llhttp parser) protocol with the :class:`_ConnectionGuard` limits."""
+
+        _between_requests = True  # no bytes of a next request parsed yet
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._header_timer is None and self._between_requests:
+                self._arm_header_timer()  # first byte of the next request on a kept-alive connection
+            self._got_bytes = True
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            self._between_requests = False
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._cancel_header_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._between_requests = True
+
+    HTTP_PROTOCOLS["httptools"] = GuardedHttpToolsProtocol
+
+
+def resolve_http(http: str = "auto") -> str:
+    """The HTTP parser to serve with: ``httptools`` when installed (``auto``), else ``h11``."""
+    if http == "auto":
+        return "httptools" if "httptools" in HTTP_PROTOCOLS else "h11"
+    if http not in ("h11", "httptools"):
+        raise ValueError(f"unknown HTTP implementation {http!r}; use auto, httptools or h11")
+    if http not in HTTP_PROTOCOLS:
+        raise ValueError("http='httptools' needs the httptools package (pip install httptools)")
+    return http
+
+
+def guarded_protocol(limits: Limits, http: str = "auto") -> type[_ConnectionGuard]:
+    """The guarded protocol class of ``http`` (see :func:`resolve_http`) enforcing ``limits``."""
+    base = HTTP_PROTOCOLS[resolve_http(http)]
+    return type(f"{base.__name__}WithLimits", (base,), {"limits": limits})
+
+
+def uvicorn_config(
+    app: FastAPI, host: str, port: int, log_level: str = "warning", http: str = "auto"
+) -> uvicorn.Config:
+    """uvicorn config for ``app``: the guarded ``http`` protocol with the app's limits."""
     limits: Limits = app.state.limits
     _raise_open_files_limit(limits.max_connections + 64)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", http=guarded_protocol(limits))
+    protocol = guarded_protocol(limits, http)
+    app.state.serving["http"] = resolve_http(http)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", http=protocol)
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -383,6 +450,7 @@ def serve_in_background(
     max_batch: int = 256,
     mmap: bool = False,
     dense: dict[str, Any] | None = None,
+    http: str = "auto",
     **limit_overrides: Any,
 ) -> BackgroundServer:
     """Start a server on ``host:port`` (0 = a free port) and return once ``/health`` answers.
@@ -392,17 +460,18 @@ def serve_in_background(
     directory). ``threads``: BM25 scoring threads per batch; ``workers``, ``batch_wait_ms``,
     ``max_batch``: see :func:`create_app`; ``mmap``: memory-map the BM25 postings; ``dense``:
     serve-time dense options (``device``, ``model``, ``faiss_gpu``, ``nprobe``, ``ef_search``,
-    ``intra_op_threads``);
+    ``intra_op_threads``); ``http``: the HTTP parser (:func:`resolve_http`);
     ``limit_overrides``: fields of :class:`Limits`.
     """
     dense = dict(dense or {})
+    resolve_http(http)  # an unknown or missing parser fails here, before anything starts
     if subprocess_mode:
         if not isinstance(index, str | Path):
             raise TypeError("subprocess_mode needs an index directory, not a searcher object")
         port_file = Path(tempfile.mkdtemp(prefix="sorl-retrieval-")) / "port"
         cmd = [sys.executable, "-m", "sorl_verl.retrieval.server", "--index", str(index), "--host", host]
         cmd += ["--port", str(port), "--port-file", str(port_file), "--threads", str(threads), "--log-level", "warning"]
-        cmd += ["--max-batch", str(max_batch)] + (["--mmap"] if mmap else [])
+        cmd += ["--max-batch", str(max_batch), "--http", http] + (["--mmap"] if mmap else [])
         cmd += ["--workers", str(workers)] if workers is not None else []
         cmd += ["--batch-wait-ms", str(batch_wait_ms)] if batch_wait_ms is not None else []
         for name, value in {**limit_overrides, **dense}.items():
@@ -441,7 +510,7 @@ def serve_in_background(
         else index
     )
     app = create_app(searcher, workers=n_workers, batch_wait_ms=batch_wait_ms, max_batch=max_batch, **limit_overrides)
-    server = uvicorn.Server(uvicorn_config(app, host, port))
+    server = uvicorn.Server(uvicorn_config(app, host, port, http=http))
     thread = threading.Thread(target=server.run, name="sorl-retrieval-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -476,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
                    "2 for dense, 0 = off for BM25)")  # fmt: skip
     p.add_argument("--max-batch", type=int, default=256, help="queries per merged search call")
     p.add_argument("--mmap", action="store_true", help="memory-map BM25 postings instead of loading them")
+    p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                   help="HTTP parser: httptools (C, the default when installed) or h11 (pure Python)")  # fmt: skip
     g = p.add_argument_group("dense")
     g.add_argument("--device", help="query encoder device (cpu, cuda, ...)")
     g.add_argument("--model", help="encoder directory, if it moved since the build")
@@ -515,7 +586,11 @@ def main(argv: list[str] | None = None) -> None:
         a.index, n_threads=a.threads, mmap=a.mmap, scratch_buffers=max(workers, a.threads), **dense
     )
     app = create_app(searcher, limits, workers=workers, batch_wait_ms=a.batch_wait_ms, max_batch=a.max_batch)
-    server = uvicorn.Server(uvicorn_config(app, a.host, a.port, a.log_level))
+    try:
+        config = uvicorn_config(app, a.host, a.port, a.log_level, http=a.http)
+    except ValueError as e:
+        p.error(str(e))
+    server = uvicorn.Server(config)
     if a.port_file:
         port_file = Path(a.port_file)
 

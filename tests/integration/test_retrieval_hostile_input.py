@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from sorl_verl.retrieval.server import BackgroundServer, serve_in_background
 
 LIMITS = {"max_queries": 8, "max_topk": 5, "max_query_chars": 64, "max_body_bytes": 20_000}
 OK_STATUSES = {200, 400, 408, 413, 422}
+HTTP = ["httptools", "h11"]  # both HTTP parsers the server can run on carry the same guards
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +39,9 @@ def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_index(d / "c.jsonl", d / "index", show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def server(index_dir: Path) -> Iterator[BackgroundServer]:
-    with serve_in_background(index_dir, **LIMITS) as s:
+@pytest.fixture(scope="module", params=HTTP)
+def server(index_dir: Path, request: pytest.FixtureRequest) -> Iterator[BackgroundServer]:
+    with serve_in_background(index_dir, http=request.param, **LIMITS) as s:
         yield s
 
 
@@ -160,8 +162,9 @@ def test_malformed_http_and_huge_content_length_get_json_4xx(server: BackgroundS
     assert 400 <= status < 500 and body["error"]
 
 
-def test_stalled_headers_and_bodies_time_out_and_the_cap_holds(index_dir: Path) -> None:
-    with serve_in_background(index_dir, header_timeout=0.5, body_timeout=0.5, max_connections=8) as s:
+@pytest.mark.parametrize("http", HTTP)
+def test_stalled_headers_and_bodies_time_out_and_the_cap_holds(index_dir: Path, http: str) -> None:
+    with serve_in_background(index_dir, http=http, header_timeout=0.5, body_timeout=0.5, max_connections=8) as s:
         t0 = time.perf_counter()
         partial = _raw_exchange(s.url, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")
         assert 0.4 < time.perf_counter() - t0 < 5
@@ -188,6 +191,52 @@ def test_stalled_headers_and_bodies_time_out_and_the_cap_holds(index_dir: Path) 
         time.sleep(0.1)
         status, _, raw = post_raw(s.url, b'{"query": "stone river"}')
         assert status == 200 and len(json.loads(raw)["result"][0]) == 3
+
+
+def _read_response(sock: socket.socket) -> tuple[int, Any]:
+    """One HTTP response (status, JSON body) read off a kept-alive socket."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        chunk = sock.recv(65536)
+        assert chunk, raw
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("http", HTTP)
+def test_header_timeout_restarts_with_each_request_on_a_kept_alive_connection(index_dir: Path, http: str) -> None:
+    """Idle time between requests is not header time; a stalled second request still gets its 408."""
+    with serve_in_background(index_dir, http=http, header_timeout=0.5) as s:
+        assert json.loads(urllib_get(s.url + "/health"))["serving"]["http"] == http
+        body = b'{"query": "stone river"}'
+        request = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        with socket.create_connection(("127.0.0.1", _port(s.url)), timeout=10) as sock:
+            sock.sendall(request)
+            status, answer = _read_response(sock)
+            assert status == 200 and len(answer["result"][0]) == 3
+            time.sleep(1.0)  # twice the header timeout, idle: the connection stays open (keep-alive is 5 s)
+            sock.sendall(request)
+            assert _read_response(sock)[0] == 200
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Le")
+            t0 = time.perf_counter()
+            status, answer = _read_response(sock)
+            assert status == 408 and "headers" in answer["error"] and 0.3 < time.perf_counter() - t0 < 5
+
+
+def urllib_get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read()
+
+
+def test_unknown_http_parser_is_refused(index_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown HTTP implementation 'uvloop'"):
+        serve_in_background(index_dir, http="uvloop")
 
 
 def test_keep_alive_connection_serves_several_requests(server: BackgroundServer) -> None:

@@ -89,7 +89,9 @@ def test_run_wrk_without_wrk_says_so(monkeypatch):
         serve_load.run_wrk("http://127.0.0.1:9", ['{"query": "a"}'], 1, 1)
 
 
-def test_cpu_description_helpers_return_plain_values():
-    assert isinstance(serve_load.cpu_model(), str)
-    simd = serve_load.cpu_simd()
-    assert isinstance(simd, list) and set(simd) <= {"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile"}
+def test_cpu_simd_lists_the_known_flags_in_order():
+    info = "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse2 avx512_vnni fma avx2 avx512f avx512bw\n"
+    assert serve_load.cpu_simd(info) == ["avx2", "fma", "avx512f", "avx512_vnni"]
+    assert serve_load.cpu_simd("flags\t: fpu sse2 avx\n") == []
+    assert serve_load.cpu_simd("model name\t: no flags line\n") == []
+    assert set(serve_load.cpu_simd()) <= set(serve_load.SIMD_FLAGS)
