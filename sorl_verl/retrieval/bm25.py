@@ -160,8 +160,9 @@ class BM25Scorer:
             (self.data, self.indices, indptr), shape=(len(self.vocab), self.num_docs), copy=False
         )
         self._kernel = load_kernel() if strategy == "maxscore" else None
-        if self._kernel is not None:  # one pass: per-block and per-term maxima
-            self._bbase, self._bmax, self.max_score = self._kernel.block_maxima(self.data, indptr, self._kernel.BLOCK)
+        if self._kernel is not None:  # one pass: per-block maxima and last documents, per-term maxima
+            blocks = self._kernel.block_maxima(self.data, self.indices, indptr, self._kernel.BLOCK)
+            self._bbase, self._bmax, self._blast, self.max_score = blocks
         else:
             nonempty = np.flatnonzero(np.diff(indptr))
             self.max_score = np.zeros(len(self.vocab), dtype=np.float32)
@@ -212,6 +213,15 @@ class BM25Scorer:
             hit = docs[pos] == cand
             total[hit] += w * self.data[start + pos[hit]]
         return total
+
+    def _sample_kth(self, sample: np.ndarray, slices: list[tuple[int, int, float]], k: int) -> float:
+        """The ``k``-th largest of :meth:`_lookup` ``(sample, slices)`` (compiled where the kernel is loaded)."""
+        if self._kernel is None:
+            sample_scores = self._lookup(sample, slices)
+            return float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
+        a = np.array(slices, dtype=np.float64).reshape(-1, 3)
+        ends_w = a[:, 1].astype(np.int64), a[:, 2].astype(np.float32)
+        return float(self._kernel.sample_kth(self.indices, self.data, sample, a[:, 0].astype(np.int64), *ends_w, k))
 
     def _kth_largest(self, start: int, end: int, k: int) -> float:
         """The ``k``-th largest stored score of the posting list at ``start:end`` (cached per ``(start, k)``)."""
@@ -309,7 +319,7 @@ class BM25Scorer:
         n_non, tau0 = self._kernel_split(counts, bounds, starts, ends, k)
         terms = terms[keep]
         args = (
-            self.indices, self.data, self._bmax, starts[keep].astype(np.int64), ends[keep].astype(np.int64),
+            self.indices, self.data, self._bmax, self._blast, starts[keep].astype(np.int64), ends[keep].astype(np.int64),
             self._bbase[terms], counts[keep], bounds[keep], n_non,
         )  # fmt: skip
         room = min(k, int((ends - starts).sum()))
@@ -353,8 +363,7 @@ class BM25Scorer:
         sample = np.asarray(self.indices[starts[j] : min(ends[j], starts[j] + self.theta_sample)])
         theta = 0.0
         if len(sample) >= k:
-            sample_scores = self._lookup(sample, short or [(int(starts[j]), int(ends[j]), float(counts[j]))])
-            theta = float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
+            theta = self._sample_kth(sample, short or [(int(starts[j]), int(ends[j]), float(counts[j]))], k)
         for start, end, w in short:
             if end - start >= k:
                 theta = max(theta, w * self._kth_largest(start, end, k))

@@ -3,30 +3,31 @@
 The index is bm25s' CSC layout unchanged: term ``t``'s postings are ``indices[indptr[t]:indptr[t+1]]``
 (document positions, ascending) with ``data[...]`` the float32 score of ``(t, doc)``. At load,
 :func:`block_maxima` cuts every posting list into blocks of ``BLOCK`` postings (the last one
-shorter) and stores each block's largest score (one float32 per block: 1/128 of the postings'
-bytes) and each term's largest score (``max_score``, equal to ``np.maximum.reduceat``).
+shorter) and keeps each block's largest score and last document (8 bytes per block: 1/128 of
+the postings' bytes at ``BLOCK = 128``), and each term's largest score (``max_score``, equal to
+``np.maximum.reduceat``).
 
 :func:`topk_query` scores one query. Its lists ``0..m-1`` (the non-empty query terms) come sorted
 by ascending bound ``ub_i = w_i * max_score`` (``w_i``: the term's count in the query) and split
 at ``n_non`` exactly as the numpy scorer splits them, so that a document's score is the numpy
 scorer's float32 arithmetic, bit for bit::
 
-    c_i(d) = fl32(w_i * data_i(d))                         (absent term: no term)
+    c_i(d) = fl32(w_i * data_i(d))                           (absent term: no term)
     P(d)   = fold_+ of c_i(d), i = n_non .. m-1 (ascending)  (the "essential" partial score)
     T(d)   = fold_+ of c_i(d), i = 0 .. n_non-1 (ascending)
-    s(d)   = fl32(P(d) + T(d))                              (T = 0 adds exactly nothing)
+    s(d)   = fl32(P(d) + T(d))                               (T = 0 adds exactly nothing)
 
 and the candidates are the documents of lists ``n_non..m-1`` (``n_non = 0``: every list; the
 numpy scorer's single-term and exhaustive paths are that case). The result is the exact top
 ``k`` of ``s`` over the candidates, ordered by score descending, ties by smaller document.
+:func:`sample_kth` is the numpy scorer's ``theta`` sample (its ``_lookup`` fold), compiled.
 
-The search is document-at-a-time MaxScore with block-max skipping: ``tau`` is a lower bound on
+The search is document-at-a-time MaxScore with block-max bounds: ``tau`` is a lower bound on
 the k-th best score (the caller's ``tau0``, then the k-th score in a heap of the best so far);
 lists whose bounds sum (a prefix) stays below ``tau`` are non-essential: a document only in them
-cannot enter, so candidates are taken from the other lists, and the non-essential lists are
-searched (galloping) only for candidates whose upper bound still reaches ``tau``. When the sum of
-the essential lists' current block maxima plus the non-essential bounds is below ``tau``, every
-essential cursor skips past the smallest of those blocks' last documents.
+cannot enter, so candidates are taken from the other lists in document order, and the
+non-essential lists are searched (galloping) only while a candidate's upper bound still reaches
+``tau``. Upper bounds use the block maxima of the blocks that would hold the document.
 
 Pruning is safe under float32 rounding: with ``u = 2**-24`` each stored product
 ``fl32(w x) <= w x (1 + u)`` and a float32 fold of ``n`` positive terms is at most
@@ -34,8 +35,9 @@ Pruning is safe under float32 rounding: with ``u = 2**-24`` each stored product
 float64 upper bound ``UB(d)`` of the exact sum. A document is dropped only when
 ``UB(d) * (1 + rel) < tau`` with ``rel = (m + 2) * 2**-23`` (twice that, covering the
 higher-order and float64 terms), i.e. only when ``s(d) < tau``; ties at ``tau`` are evaluated
-(a later, larger document loses a tie to the heap's, as the order requires). All functions are
-``nogil``: two threads score two queries at once.
+(a later, larger document loses a tie to the heap's, as the order requires). Scores are assumed
+positive (BM25 ``lucene`` scores are). All functions are ``nogil``: threads score queries in
+parallel.
 """
 
 from __future__ import annotations
@@ -43,17 +45,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-BLOCK = 64
+BLOCK = 128
 SENTINEL = np.iinfo(np.int64).max
 
 
 @njit(nogil=True, cache=True)
-def block_maxima(data: np.ndarray, indptr: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(bbase, bmax, max_score)``: term ``t``'s block ``j`` maximum is ``bmax[bbase[t] + j]``.
+def block_maxima(
+    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(bbase, bmax, blast, max_score)``: term ``t``'s block ``j`` is entry ``bbase[t] + j``.
 
     Block ``j`` of term ``t`` holds postings ``indptr[t] + j*block`` up to (excluding)
-    ``min(indptr[t] + (j+1)*block, indptr[t+1])``; ``max_score[t]`` is the largest score of the
-    term (0 for an empty list). One pass over ``data``.
+    ``min(indptr[t] + (j+1)*block, indptr[t+1])``; ``bmax`` is its largest score, ``blast`` its
+    last (largest) document, ``max_score[t]`` the term's largest score (0 for an empty list,
+    equal to ``np.maximum.reduceat``). One pass over ``data``, one read per block of ``indices``.
     """
     n_terms = len(indptr) - 1
     bbase = np.empty(n_terms + 1, np.int64)
@@ -61,19 +66,21 @@ def block_maxima(data: np.ndarray, indptr: np.ndarray, block: int) -> tuple[np.n
     for t in range(n_terms):
         bbase[t + 1] = bbase[t] + (indptr[t + 1] - indptr[t] + block - 1) // block
     bmax = np.empty(bbase[n_terms], np.float32)
+    blast = np.empty(bbase[n_terms], np.int32)
     tmax = np.zeros(n_terms, np.float32)
     for t in range(n_terms):
         b, end = bbase[t], indptr[t + 1]
         for p0 in range(indptr[t], end, block):
+            p1 = min(p0 + block, end)
             mx = data[p0]
-            for p in range(p0 + 1, min(p0 + block, end)):
-                if data[p] > mx:
-                    mx = data[p]
-            bmax[b] = mx
+            for q in range(p0 + 1, p1):
+                if data[q] > mx:
+                    mx = data[q]
+            bmax[b], blast[b] = mx, indices[p1 - 1]
             if b == bbase[t] or mx > tmax[t]:
                 tmax[t] = mx
             b += 1
-    return bbase, bmax, tmax
+    return bbase, bmax, blast, tmax
 
 
 @njit(nogil=True, cache=True)
@@ -142,10 +149,65 @@ def _doc_at(indices: np.ndarray, pos: int, end: int) -> int:
 
 
 @njit(nogil=True, cache=True)
+def _shallow(blast: np.ndarray, bstart: int, n_blocks: int, j: int, target: int) -> int:
+    """First block ``>= j`` (of a list whose block ends are ``blast[bstart:bstart+n_blocks]``) ending at
+    or after document ``target``; ``n_blocks`` if none. Galloping."""
+    if j >= n_blocks or blast[bstart + j] >= target:
+        return j
+    lo, step = j, 1  # invariant: block lo ends before target
+    while True:
+        hi = lo + step
+        if hi >= n_blocks:
+            hi = n_blocks
+            break
+        if blast[bstart + hi] >= target:
+            break
+        lo = hi
+        step *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if blast[bstart + mid] >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@njit(nogil=True, cache=True)
+def sample_kth(
+    indices: np.ndarray,
+    data: np.ndarray,
+    sample: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    w: np.ndarray,
+    k: int,
+) -> np.float32:
+    """The ``k``-th largest of the sorted documents ``sample``'s scores over the lists ``starts/ends``.
+
+    A document's score is the float32 fold ``0 + w_0 x_0 + w_1 x_1 + ...`` over the lists that
+    hold it, in the given order: the numpy scorer's ``_lookup``, bit for bit. Each list is
+    searched by galloping from the previous sample document's position. ``len(sample) >= k``.
+    """
+    total = np.zeros(len(sample), np.float32)
+    for i in range(len(starts)):
+        at = starts[i]
+        for j in range(len(sample)):
+            at = _seek(indices, at, ends[i], sample[j])
+            if at == ends[i]:
+                break
+            if indices[at] == sample[j]:
+                total[j] = total[j] + w[i] * data[at]
+    total.sort()
+    return total[len(total) - k]
+
+
+@njit(nogil=True, cache=True)
 def topk_query(
     indices: np.ndarray,
     data: np.ndarray,
     bmax: np.ndarray,
+    blast: np.ndarray,
     starts: np.ndarray,
     ends: np.ndarray,
     bstarts: np.ndarray,
@@ -161,13 +223,21 @@ def topk_query(
     """Exact top-``k`` of ``s(d)`` (module docstring) into ``out_docs/out_scores``; returns how many.
 
     ``starts/ends`` (int64): the non-empty lists' posting ranges, ascending ``ub`` (float64,
-    ``w * max_score``); ``bstarts``: each list's first block in ``bmax``; ``w``: float32 weights;
-    ``tau0``: a lower bound on the k-th best score such that at least ``k`` candidates score at
-    least it (0 when unknown). ``out_*`` have room for ``k`` entries.
+    ``w * max_score``); ``bstarts``: each list's first block in ``bmax/blast``; ``w``: float32
+    weights; ``tau0``: a lower bound on the k-th best score such that at least ``k`` candidates
+    score at least it (0 when unknown). ``out_*`` have room for ``k`` entries.
+
+    Documents are visited in ranges ``[d, L]``: ``d`` the next essential document, ``L`` the
+    smallest last document of the blocks holding each list's first posting ``>= d``. In the
+    range list ``i`` scores at most its block maximum ``bm_i``: a range with ``sum bm_i`` below
+    ``tau`` is skipped; in the others a candidate is dropped once its contributions found so far
+    plus the ``bm_i`` of the lists not yet searched fall below ``tau``.
     """
     m = len(starts)
     pos = starts.copy()
     cur = np.empty(m, np.int64)
+    blk = np.zeros(m, np.int64)  # non-essential lists: block holding the first posting >= d
+    bm = np.zeros(m, np.float64)  # w_i * the range's block maximum of list i (0: list exhausted)
     prefix = np.zeros(m + 1, np.float64)  # prefix[i]: sum of the bounds of lists 0..i-1
     for i in range(m):
         cur[i] = _doc_at(indices, pos[i], ends[i])
@@ -182,6 +252,7 @@ def topk_query(
     p = n_non  # lists p..m-1 are essential (numpy's non-essential lists never give candidates)
     while p < m and prefix[p + 1] * (1.0 + rel) < tau:
         p += 1
+    range_end, bm_non = -1, 0.0
     while p < m:
         d = SENTINEL
         for i in range(p, m):
@@ -189,22 +260,30 @@ def topk_query(
                 d = cur[i]
         if d == SENTINEL:
             break
-        # block-max bound of every document up to the first essential block end
-        bsum, last_min = prefix[p], SENTINEL
-        for i in range(p, m):
-            if cur[i] != SENTINEL:
-                j = (pos[i] - starts[i]) // block
-                bsum += w[i] * np.float64(bmax[bstarts[i] + j])
-                last = indices[min(starts[i] + (j + 1) * block, ends[i]) - 1]
-                if last < last_min:
-                    last_min = last
-        if bsum * (1.0 + rel) < tau:
-            for i in range(p, m):
-                if cur[i] <= last_min:
-                    pos[i] = _seek(indices, pos[i], ends[i], last_min + 1)
-                    cur[i] = _doc_at(indices, pos[i], ends[i])
-            continue
-        partial = 0.0  # float64 sum of the contributions found so far
+        if d > range_end:  # a new range starting at d: every list's block bound
+            bm_all, bm_non, range_end = 0.0, 0.0, SENTINEL
+            for i in range(m):
+                if i >= p:
+                    j = (pos[i] - starts[i]) // block
+                    alive = cur[i] != SENTINEL
+                else:
+                    n_blocks = (ends[i] - starts[i] + block - 1) // block
+                    j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), d)
+                    alive = j < n_blocks
+                bm[i] = w[i] * np.float64(bmax[bstarts[i] + j]) if alive else 0.0
+                if alive:
+                    range_end = min(range_end, np.int64(blast[bstarts[i] + j]))
+                bm_all += bm[i]
+                if i < p:
+                    bm_non += bm[i]
+            if bm_all * (1.0 + rel) < tau:  # nothing in the range can enter: skip it
+                for i in range(p, m):
+                    if cur[i] <= range_end:
+                        pos[i] = _seek(indices, pos[i], ends[i], range_end + 1)
+                        cur[i] = _doc_at(indices, pos[i], ends[i])
+                range_end = -1
+                continue
+        partial = 0.0  # float64 sum of the contributions found so far (a bound only)
         for i in range(p, m):
             hit[i] = cur[i] == d
             if hit[i]:
@@ -212,22 +291,26 @@ def topk_query(
                 partial += c[i]
                 pos[i] += 1
                 cur[i] = _doc_at(indices, pos[i], ends[i])
-        if (partial + prefix[p]) * (1.0 + rel) < tau:
+        rest_bound = bm_non
+        if (partial + rest_bound) * (1.0 + rel) < tau:
             continue
         alive = True
         for i in range(p - 1, -1, -1):  # non-essential lists, largest bound first
-            pos[i] = _seek(indices, pos[i], ends[i], d)
-            cur[i] = _doc_at(indices, pos[i], ends[i])
-            hit[i] = cur[i] == d
-            if hit[i]:
-                c[i] = w[i] * data[pos[i]]
-                partial += c[i]
-            if (partial + prefix[i]) * (1.0 + rel) < tau:
+            rest_bound -= bm[i]
+            hit[i] = False
+            if bm[i] > 0.0:
+                pos[i] = _seek(indices, pos[i], ends[i], d)
+                cur[i] = _doc_at(indices, pos[i], ends[i])
+                hit[i] = cur[i] == d
+                if hit[i]:
+                    c[i] = w[i] * data[pos[i]]
+                    partial += c[i]
+            if (partial + rest_bound) * (1.0 + rel) < tau:
                 alive = False
                 break
         if not alive:
             continue
-        part = np.float32(0.0)
+        part = np.float32(0.0)  # the exact score: the numpy scorer's folds
         for i in range(n_non, m):
             if hit[i]:
                 part = part + c[i]
@@ -248,6 +331,7 @@ def topk_query(
             tau = hs[0]
             while p < m and prefix[p + 1] * (1.0 + rel) < tau:
                 p += 1
+                range_end = -1  # a list turned non-essential: recompute the range's bounds
     for n in range(hn - 1, -1, -1):  # pop the worst first: fill from the back
         out_scores[n], out_docs[n] = hs[0], hd[0]
         hs[0], hd[0] = hs[n], hd[n]
