@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval import STOP_HEAD, http_load, make_queries, pseudo_words  # noqa: E402
 
+from sorl_verl.retrieval.bm25 import STRATEGIES  # noqa: E402
 from sorl_verl.retrieval.server import serve_in_background  # noqa: E402
 
 TARGETS = {"build_rss_gb": 8.0, "serve_anon_gb": 4.0, "qps_256": 1000.0, "p99_16_ms": 100.0, "burst_mb": 100.0}
@@ -263,12 +264,20 @@ def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> d
     The scorer runs the queries ``--reps`` times (the first run warms the page cache and the
     k-th-score cache; every run is reported). ``--topk-out`` saves the top-k (document, score)
     rows; ``--topk-compare`` checks them against a saved file: identical ids and float scores.
+    ``--strategy`` picks the BM25 scorer (``maxscore``: compiled where numba is installed;
+    ``maxscore-numpy``; ``matmul``) and ``--threads`` how many threads split each batch; CPU
+    time is the whole process's (every thread), so CPU ms per query is comparable across them.
     """
-    from sorl_verl.retrieval.index import load_searcher
+    from sorl_verl.retrieval.bm25 import BM25Scorer
+    from sorl_verl.retrieval.index import read_manifest
 
     index = Path(a.workdir) / f"n{n}" / "index"
     queries = make_queries(index, a.queries, 0)
-    scorer = load_searcher(index, mmap=True).scorer
+    t0 = time.perf_counter()
+    params = read_manifest(index)["params"]
+    scorer = BM25Scorer(index, params, n_threads=a.threads, mmap=True, strategy=a.strategy)
+    load_s = time.perf_counter() - t0
+    log(f"[{n:,}] {a.strategy} scorer (compiled: {scorer.compiled}, threads {a.threads}) loaded in {load_s:.1f} s")
     runs = []
     for _ in range(a.reps):
         c0, t0 = time.process_time(), time.perf_counter()
@@ -276,7 +285,8 @@ def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> d
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
         runs.append({"cpu_ms_per_query": 1000 * cpu / len(queries), "wall_ms_per_query": 1000 * wall / len(queries)})
         log(f"[{n:,}] scoring {len(queries)} queries: {runs[-1]}")
-    res: dict[str, Any] = {"num_docs": n, "queries": len(queries), "runs": runs, "loadavg": os.getloadavg()}
+    res: dict[str, Any] = {"num_docs": n, "queries": len(queries), "strategy": a.strategy, "compiled": scorer.compiled,
+                           "threads": a.threads, "load_s": load_s, "runs": runs, "loadavg": os.getloadavg()}  # fmt: skip
     if a.topk_out:
         Path(a.topk_out).write_text(json.dumps(rows))
     if a.topk_compare:
@@ -321,6 +331,7 @@ def main() -> None:
     ap.add_argument("--scoring-only", action="store_true",
                     help="only in-process scorer CPU per query on the index already in --workdir (see scoring_only)")  # fmt: skip
     ap.add_argument("--queries", type=int, default=2048, help="--scoring-only: number of queries")
+    ap.add_argument("--strategy", default="maxscore", choices=STRATEGIES, help="--scoring-only: BM25 scorer")
     ap.add_argument("--reps", type=int, default=2, help="--scoring-only: runs over the queries")
     ap.add_argument("--topk-out", help="--scoring-only: save the top-3 rows (JSON)")
     ap.add_argument("--topk-compare", help="--scoring-only: compare the top-3 rows with a saved file")

@@ -127,6 +127,7 @@ class BM25Scorer:
     short_list = 65536
     exhaustive_postings = 8192
     max_kth_cache = 1 << 20
+    kernel_block = 128  # postings per block of the compiled kernel's block maxima
 
     def __init__(
         self,
@@ -161,7 +162,7 @@ class BM25Scorer:
         )
         self._kernel = load_kernel() if strategy == "maxscore" else None
         if self._kernel is not None:  # one pass: per-block maxima and last documents, per-term maxima
-            blocks = self._kernel.block_maxima(self.data, self.indices, indptr, self._kernel.BLOCK)
+            blocks = self._kernel.block_maxima(self.data, self.indices, indptr, self.kernel_block)
             self._bbase, self._bmax, self._blast, self.max_score = blocks
         else:
             nonempty = np.flatnonzero(np.diff(indptr))
@@ -324,9 +325,9 @@ class BM25Scorer:
         )  # fmt: skip
         room = min(k, int((ends - starts).sum()))
         out_docs, out_scores = np.empty(room, np.int64), np.empty(room, np.float32)
-        n = self._kernel.topk_query(*args, tau0, room, self._kernel.BLOCK, out_docs, out_scores)
+        n = self._kernel.topk_query(*args, tau0, room, self.kernel_block, out_docs, out_scores)
         if n < room and tau0 > 0.0:  # tau0 was not a bound on k candidates (float rounding): search them all
-            n = self._kernel.topk_query(*args, 0.0, room, self._kernel.BLOCK, out_docs, out_scores)
+            n = self._kernel.topk_query(*args, 0.0, room, self.kernel_block, out_docs, out_scores)
         return list(zip(out_docs[:n].tolist(), out_scores[:n].tolist(), strict=True))
 
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:

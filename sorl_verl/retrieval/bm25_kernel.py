@@ -2,9 +2,9 @@
 
 The index is bm25s' CSC layout unchanged: term ``t``'s postings are ``indices[indptr[t]:indptr[t+1]]``
 (document positions, ascending) with ``data[...]`` the float32 score of ``(t, doc)``. At load,
-:func:`block_maxima` cuts every posting list into blocks of ``BLOCK`` postings (the last one
+:func:`block_maxima` cuts every posting list into blocks of ``block`` postings (the last one
 shorter) and keeps each block's largest score and last document (8 bytes per block: 1/128 of
-the postings' bytes at ``BLOCK = 128``), and each term's largest score (``max_score``, equal to
+the postings' bytes at ``block = 128``, ``BM25Scorer.kernel_block``), and each term's largest score (``max_score``, equal to
 ``np.maximum.reduceat``).
 
 :func:`topk_query` scores one query. Its lists ``0..m-1`` (the non-empty query terms) come sorted
@@ -45,7 +45,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-BLOCK = 128
 SENTINEL = np.iinfo(np.int64).max
 
 

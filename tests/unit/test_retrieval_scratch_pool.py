@@ -38,7 +38,8 @@ def test_64_concurrent_queries_use_at_most_the_pool(index_dir: Path) -> None:
         got = list(pool.map(lambda q: searcher.search_ids([q], 5)[0], queries))
     assert got == expected
     pool_ = searcher.scorer.scratch
-    assert pool_.made == 2 and pool_.size == 2
+    # the numpy MaxScore path fills the pool; the compiled kernel (numba installed) needs no scratch array
+    assert pool_.size == 2 and pool_.made == (0 if searcher.scorer.compiled else 2)
     for acc in pool_._free:  # returned clean: the accumulator is all zeros again
         assert acc.dtype == np.float32 and acc.shape == (searcher.num_docs,) and not acc.any()
 
