@@ -339,7 +339,6 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="reuse an index already built in --workdir")
     a = ap.parse_args()
     out = Path(a.json_out)
-    results = json.loads(out.read_text())["results"] if out.is_file() else []
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
@@ -348,6 +347,7 @@ def main() -> None:
         scoring = [scoring_only(int(x), a, log) for x in a.sizes.split(",")]
         out.write_text(json.dumps({"meta": {"cpus": os.cpu_count(), "nice": os.nice(0)}, "scoring": scoring}, indent=1))
         return
+    results = json.loads(out.read_text())["results"] if out.is_file() else []
     for n in (int(x) for x in a.sizes.split(",")):
         res = bench_size(n, a, log)
         results = [r for r in results if r["num_docs"] != n] + [res]
