@@ -164,6 +164,7 @@ class BM25Scorer:
         if self._kernel is not None:  # one pass: per-block maxima and last documents, per-term maxima
             blocks = self._kernel.block_maxima(self.data, self.indices, indptr, self.kernel_block)
             self._bbase, self._bmax, self._blast, self.max_score = blocks
+            self._warm_kernel()
         else:
             nonempty = np.flatnonzero(np.diff(indptr))
             self.max_score = np.zeros(len(self.vocab), dtype=np.float32)
@@ -283,6 +284,13 @@ class BM25Scorer:
             raise
         cand, scores = self._harvest(touched, acc, 0.0)
         return self._select(cand, scores, k)
+
+    def _warm_kernel(self) -> None:
+        """Compile (or load from numba's cache) the kernel for these arrays' types now, not at the first query."""
+        none, one = np.zeros(0, np.int64), np.zeros(1, self.indices.dtype)
+        self._kernel.sample_kth(self.indices, self.data, one, none, none, np.zeros(0, np.float32), 1)
+        args = (none, none, none, np.zeros(0, np.float32), np.zeros(0, np.float64), 0, 0.0, 1, self.kernel_block)
+        self._kernel.topk_query(self.indices, self.data, self._bmax, self._blast, *args, none, np.zeros(1, np.float32))
 
     @property
     def compiled(self) -> bool:
