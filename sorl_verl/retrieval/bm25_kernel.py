@@ -202,6 +202,16 @@ def sample_kth(
 
 
 @njit(nogil=True, cache=True)
+def _min_doc(cur: np.ndarray, lo: int, hi: int) -> int:
+    """Smallest of ``cur[lo:hi]`` (``SENTINEL`` if empty)."""
+    d = SENTINEL
+    for i in range(lo, hi):
+        if cur[i] < d:
+            d = cur[i]
+    return d
+
+
+@njit(nogil=True, cache=True)
 def topk_query(
     indices: np.ndarray,
     data: np.ndarray,
@@ -252,11 +262,9 @@ def topk_query(
     while p < m and prefix[p + 1] * (1.0 + rel) < tau:
         p += 1
     range_end, bm_non = -1, 0.0
+    nxt = _min_doc(cur, p, m)
     while p < m:
-        d = SENTINEL
-        for i in range(p, m):
-            if cur[i] < d:
-                d = cur[i]
+        d = nxt
         if d == SENTINEL:
             break
         if d > range_end:  # a new range starting at d: every list's block bound
@@ -281,15 +289,21 @@ def topk_query(
                         pos[i] = _seek(indices, pos[i], ends[i], range_end + 1)
                         cur[i] = _doc_at(indices, pos[i], ends[i])
                 range_end = -1
+                nxt = _min_doc(cur, p, m)
                 continue
         partial = 0.0  # float64 sum of the contributions found so far (a bound only)
+        nxt = SENTINEL  # the next candidate, found in the same pass
         for i in range(p, m):
-            hit[i] = cur[i] == d
-            if hit[i]:
-                c[i] = w[i] * data[pos[i]]
-                partial += c[i]
+            ci = cur[i]
+            hit[i] = ci == d
+            if ci == d:
+                x = w[i] * data[pos[i]]
+                c[i] = x
+                partial += x
                 pos[i] += 1
-                cur[i] = _doc_at(indices, pos[i], ends[i])
+                ci = cur[i] = _doc_at(indices, pos[i], ends[i])
+            if ci < nxt:
+                nxt = ci
         rest_bound = bm_non
         if (partial + rest_bound) * (1.0 + rel) < tau:
             continue
@@ -331,6 +345,7 @@ def topk_query(
             while p < m and prefix[p + 1] * (1.0 + rel) < tau:
                 p += 1
                 range_end = -1  # a list turned non-essential: recompute the range's bounds
+                nxt = _min_doc(cur, p, m)
     for n in range(hn - 1, -1, -1):  # pop the worst first: fill from the back
         out_scores[n], out_docs[n] = hs[0], hd[0]
         hs[0], hd[0] = hs[n], hd[n]
