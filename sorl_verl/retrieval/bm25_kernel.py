@@ -311,8 +311,9 @@ def topk_query(
         for i in range(p - 1, -1, -1):  # non-essential lists, largest bound first
             rest_bound -= bm[i]
             hit[i] = False
-            if bm[i] > 0.0:
-                pos[i] = _seek(indices, pos[i], ends[i], d)
+            if bm[i] > 0.0:  # d <= range_end <= the last document of block blk[i]: it is in that block
+                first = starts[i] + blk[i] * block
+                pos[i] = _seek(indices, max(pos[i], first), min(first + block, ends[i]), d)
                 cur[i] = _doc_at(indices, pos[i], ends[i])
                 hit[i] = cur[i] == d
                 if hit[i]:
