@@ -29,16 +29,6 @@ import scipy.sparse as sp
 
 from .analyzer import Analyzer
 
-
-def load_kernel() -> Any:
-    """The compiled MaxScore module :mod:`.bm25_kernel`, or None where numba is not installed."""
-    try:
-        from . import bm25_kernel
-    except ImportError:
-        return None
-    return bm25_kernel
-
-
 DATA_FILE = "data.csc.index.npy"
 INDICES_FILE = "indices.csc.index.npy"
 INDPTR_FILE = "indptr.csc.index.npy"
@@ -49,6 +39,15 @@ BM25_FILES = (DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, PARAMS_FILE)
 STRATEGIES = ("maxscore", "maxscore-numpy", "matmul")
 
 DEFAULT_PARAMS: dict[str, Any] = {"k1": 1.5, "b": 0.75, "stopwords": "en", "stemmer": "english"}
+
+
+def load_kernel() -> Any:
+    """The compiled MaxScore module :mod:`.bm25_kernel`, or None where numba is not installed."""
+    try:
+        from . import bm25_kernel
+    except ImportError:
+        return None
+    return bm25_kernel
 
 
 def bm25_params(**overrides: Any) -> dict[str, Any]:
@@ -287,8 +286,9 @@ class BM25Scorer:
 
     def _warm_kernel(self) -> None:
         """Compile (or load from numba's cache) the kernel for these arrays' types now, not at the first query."""
-        none, one = np.zeros(0, np.int64), np.zeros(1, self.indices.dtype)
-        self._kernel.sample_kth(self.indices, self.data, one, none, none, np.zeros(0, np.float32), 1)
+        none = np.zeros(0, np.int64)
+        sample = np.asarray(self.indices[:0])  # the same array type as a real sample (a view of `indices`)
+        self._kernel.sample_kth(self.indices, self.data, sample, none, none, np.zeros(0, np.float32), 1)
         args = (none, none, none, np.zeros(0, np.float32), np.zeros(0, np.float64), 0, 0.0, 1, self.kernel_block)
         self._kernel.topk_query(self.indices, self.data, self._bmax, self._blast, *args, none, np.zeros(1, np.float32))
 

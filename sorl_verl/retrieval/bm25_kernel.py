@@ -186,8 +186,10 @@ def sample_kth(
 
     A document's score is the float32 fold ``0 + w_0 x_0 + w_1 x_1 + ...`` over the lists that
     hold it, in the given order: the numpy scorer's ``_lookup``, bit for bit. Each list is
-    searched by galloping from the previous sample document's position. ``len(sample) >= k``.
+    searched by galloping from the previous sample document's position. 0 if ``len(sample) < k``.
     """
+    if k < 1 or len(sample) < k:
+        return np.float32(0.0)
     total = np.zeros(len(sample), np.float32)
     for i in range(len(starts)):
         at = starts[i]
