@@ -179,7 +179,7 @@ def main() -> None:
         vocab = list(STOP_HEAD) + pseudo_words(20_000 - len(STOP_HEAD), random.Random(a.seed))
         flat_dir, model = work / "flat", work / "model" / "st"
         if a.reuse and (flat_dir / "manifest.json").is_file():
-            sample = [line.split("\n", 1)[1].split() for line in _sample_contents(work / "corpus.jsonl")]
+            sample = [line.split("\n", 1)[1].split() for line in sample_contents(work / "corpus.jsonl")]
         else:
             sample = write_corpus(work / "corpus.jsonl", a.num_docs, vocab, a.seed)
             model = make_tiny_encoder(work / "model", vocab, hidden=a.hidden, max_seq_length=48)
@@ -199,19 +199,22 @@ def main() -> None:
         res["http"] = []
 
         def serve(
-            name: str, index_dir: Path, wait_ms: float, per_client: int, threads: int | None = a.dense_threads
-        ) -> None:
+            name: str, index_dir: Path, wait_ms: float, per_client: int, threads: int | None = a.dense_threads,
+            http: str = "auto",
+        ) -> None:  # fmt: skip
             for load in loads:
                 r = serve_once(index_dir, queries, wait_ms, a.clients, per_client, threads, server_cpus=server_cpus,
-                               load=load, wrk_seconds=a.wrk_seconds, wrk_warmup_seconds=a.wrk_warmup_seconds)  # fmt: skip
+                               load=load, wrk_seconds=a.wrk_seconds, wrk_warmup_seconds=a.wrk_warmup_seconds,
+                               http=http)  # fmt: skip
                 res["http"].append({"server": name, "batch_wait_ms": wait_ms, **r})
                 log(f"{name} [{load}]: {r}")
 
-        if a.serve_only:  # the three servers interleaved (A, B, C, A, B, C, ...): fair on a shared machine
+        if a.serve_only:  # the four servers interleaved (A, B, C, D, A, ...): fair on a shared machine
             for _ in range(a.repeats):
                 serve("flat unbatched", flat_dir, 0.0, a.per_client)
                 serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
-                serve("flat unbatched, default threads (as before)", flat_dir, 0.0, a.per_client, threads=None)
+                serve("flat batched, h11", flat_dir, a.batch_wait_ms, a.per_client * 10, http="h11")
+                serve(AS_BEFORE, flat_dir, 0.0, a.per_client, threads=None, http="h11")
             res["summary"] = summarize(res["http"])
             res["loadavg_end"] = os.getloadavg()
             for row in res["summary"]:
@@ -221,7 +224,7 @@ def main() -> None:
             return
         serve("flat unbatched", flat_dir, 0.0, a.per_client)
         serve("flat batched", flat_dir, a.batch_wait_ms, a.per_client * 10)
-        serve("flat unbatched, default threads (as before)", flat_dir, 0.0, max(1, a.per_client // 4), threads=None)
+        serve(AS_BEFORE, flat_dir, 0.0, max(1, a.per_client // 4), threads=None, http="h11")
         by = {r["server"]: r for r in res["http"] if r["load_generator"] == loads[0]}
         res["speedup"] = by["flat batched"]["qps"] / by["flat unbatched"]["qps"]
         log(f"batched / unbatched: {res['speedup']:.1f}x")
@@ -269,6 +272,9 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+AS_BEFORE = "flat unbatched, default threads, h11 (as before)"  # the server as it was: its only HTTP parser
+
+
 def serve_once(
     index_dir: Path,
     queries: list[str],
@@ -281,6 +287,7 @@ def serve_once(
     load: str = "python",
     wrk_seconds: float = 10.0,
     wrk_warmup_seconds: float = 3.0,
+    http: str = "auto",
 ) -> dict[str, Any]:
     """One server process, ``clients`` closed-loop single-query clients: q/s, latency, where the server CPU went.
 
@@ -290,12 +297,14 @@ def serve_once(
     thread's CPU time in the encoder and in faiss (from ``/health``; with more than one
     torch/faiss thread the other threads' share is not in these two but is in the total);
     ``other_cpu_ms_per_request``: the rest (HTTP, JSON, batching, thread hand-offs).
-    ``server_cpus``: the server process (all its threads) runs on these CPUs only.
+    ``server_cpus``: the server process (all its threads) runs on these CPUs only; ``http``: the
+    server's HTTP parser (``h11`` for the server as it was, which had no other).
     """
     with contextlib.ExitStack() as stack:
         with spawn_affinity(server_cpus):  # the server process inherits the pinning at its start
             srv = stack.enter_context(serve_in_background(index_dir, subprocess_mode=True, batch_wait_ms=wait_ms,
-                                      max_batch=256, startup_timeout=600, dense={"intra_op_threads": threads}))  # fmt: skip
+                                      max_batch=256, startup_timeout=600, dense={"intra_op_threads": threads},
+                                      http=http))  # fmt: skip
         if load == "wrk":
             bodies = [json.dumps({"query": q, "topk": 3}) for q in queries]
             req = urllib.request.Request(f"{srv.url}/retrieve", data=bodies[0].encode(),
@@ -318,6 +327,8 @@ def serve_once(
             stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
             n = 2 * r["requests"]  # warm-up round + measured round
         r["server_affinity"] = task_affinity(srv.pid)
+        with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as resp:
+            r["http"] = json.loads(resp.read())["serving"].get("http", http)
     r["server_cpu_ms_per_request"] = 1000 * cpu / n
     r["encode_cpu_ms_per_request"] = 1000 * stats["encode_cpu_s"] / n
     r["search_cpu_ms_per_request"] = 1000 * stats["search_cpu_s"] / n
@@ -388,7 +399,7 @@ def sweep(work: Path, flat_dir: Path, queries: list[str]) -> list[dict[str, Any]
     return rows
 
 
-def _sample_contents(corpus: Path, every: int = 20) -> list[str]:
+def sample_contents(corpus: Path, every: int = 20) -> list[str]:
     with open(corpus, encoding="utf-8") as f:
         return [json.loads(line)["contents"] for i, line in enumerate(f) if i % every == 0][:20_000]
 

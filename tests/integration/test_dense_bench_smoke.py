@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("faiss")
 pytest.importorskip("sentence_transformers")
-pytestmark = pytest.mark.slow  # three server processes start, each loading torch: ~30-60 s on 2 cores
+pytestmark = pytest.mark.slow  # four server processes start, each loading torch: ~30-60 s on 2 cores
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "dense_retrieval.py"
 
@@ -38,10 +38,11 @@ def test_pinned_serving_falls_back_to_python_client_without_wrk(tmp_path):
     assert res["load_generators"] == ["python"] and "load_generator_fallback" in res
     assert res["server_cpus"] == [int(cpu)] and res["client_cpus"] == [int(cpu)]
     assert set(res["library_default_threads_on_server_cpus"]) == {"torch", "faiss"}
-    assert len(res["http"]) == 3
+    assert len(res["http"]) == 4
+    assert [row["http"] for row in res["http"]] == ["httptools", "httptools", "h11", "h11"]
     for row in res["http"]:
         assert row["load_generator"] == "python" and row["requests"] in (4, 40)  # batched: 10x per client
         assert row["server_affinity"]["cpus_allowed"] == [cpu]
         assert row["client_cpu_share"] >= 0 and row["server_cpu_ms_per_request"] > 0
     by = {r["server"]: r for r in res["summary"]}
-    assert "batched_qps_ratio" in by["flat unbatched, default threads (as before)"]
+    assert "batched_qps_ratio" in by["flat unbatched, default threads, h11 (as before)"]
