@@ -22,6 +22,9 @@ Run it at low priority on a shared machine:
     # in-process scorer CPU per query on indexes kept there (--keep), top-3 checked against a saved run
     nice -n 19 python scripts/bench/retrieval_scale.py --sizes 1000000 --workdir /tmp/rscale --scoring-only \
         --topk-compare before.json --json-out scoring.json
+    # the compiled kernel against the numpy MaxScore (top-3 compared), two threads pinned to the two cores
+    ... --scoring-only --reuse --strategy maxscore-numpy --topk-out numpy.json --json-out s_numpy.json
+    ... --scoring-only --reuse --strategy maxscore --threads 2 --pin --topk-compare numpy.json --json-out s_kernel.json
 """
 
 from __future__ import annotations
@@ -258,6 +261,24 @@ def bench_size(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dic
     return res
 
 
+def pinned_topk(scorer: Any, queries: list[str], n_threads: int, k: int = 3) -> list[Any]:
+    """``scorer.topk_ids(queries, k)`` split over ``n_threads`` Python threads, thread ``i`` pinned to core ``i``."""
+    cores = sorted(os.sched_getaffinity(0))
+    parts = [queries[i * len(queries) // n_threads : (i + 1) * len(queries) // n_threads] for i in range(n_threads)]
+    out: list[Any] = [None] * n_threads
+
+    def work(i: int) -> None:
+        os.sched_setaffinity(0, {cores[i % len(cores)]})  # this thread only
+        out[i] = scorer.topk_ids(parts[i], k)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [row for part in out for row in part]
+
+
 def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """In-process BM25 scoring of ``--queries`` queries on the index already in --workdir: CPU ms per query.
 
@@ -267,6 +288,8 @@ def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> d
     ``--strategy`` picks the BM25 scorer (``maxscore``: compiled where numba is installed;
     ``maxscore-numpy``; ``matmul``) and ``--threads`` how many threads split each batch; CPU
     time is the whole process's (every thread), so CPU ms per query is comparable across them.
+    ``--pin``: the threads are instead ``--threads`` Python threads, thread ``i`` pinned to core
+    ``i`` (Linux), each scoring its contiguous share of the batch with a one-thread scorer.
     """
     from sorl_verl.retrieval.bm25 import BM25Scorer
     from sorl_verl.retrieval.index import read_manifest
@@ -275,18 +298,19 @@ def scoring_only(n: int, a: argparse.Namespace, log: Callable[[str], None]) -> d
     queries = make_queries(index, a.queries, 0)
     t0 = time.perf_counter()
     params = read_manifest(index)["params"]
-    scorer = BM25Scorer(index, params, n_threads=a.threads, mmap=True, strategy=a.strategy)
+    scorer = BM25Scorer(index, params, n_threads=1 if a.pin else a.threads, mmap=True, strategy=a.strategy)
     load_s = time.perf_counter() - t0
     log(f"[{n:,}] {a.strategy} scorer (compiled: {scorer.compiled}, threads {a.threads}) loaded in {load_s:.1f} s")
     runs = []
     for _ in range(a.reps):
         c0, t0 = time.process_time(), time.perf_counter()
-        rows = scorer.topk_ids(queries, 3)
+        rows = pinned_topk(scorer, queries, a.threads) if a.pin else scorer.topk_ids(queries, 3)
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
         runs.append({"cpu_ms_per_query": 1000 * cpu / len(queries), "wall_ms_per_query": 1000 * wall / len(queries)})
         log(f"[{n:,}] scoring {len(queries)} queries: {runs[-1]}")
     res: dict[str, Any] = {"num_docs": n, "queries": len(queries), "strategy": a.strategy, "compiled": scorer.compiled,
-                           "threads": a.threads, "load_s": load_s, "runs": runs, "loadavg": os.getloadavg()}  # fmt: skip
+                           "threads": a.threads, "pinned": a.pin, "load_s": load_s, "runs": runs,
+                           "loadavg": os.getloadavg()}  # fmt: skip
     if a.topk_out:
         Path(a.topk_out).write_text(json.dumps(rows))
     if a.topk_compare:
@@ -333,6 +357,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=2048, help="--scoring-only: number of queries")
     ap.add_argument("--strategy", default="maxscore", choices=STRATEGIES, help="--scoring-only: BM25 scorer")
     ap.add_argument("--reps", type=int, default=2, help="--scoring-only: runs over the queries")
+    ap.add_argument("--pin", action="store_true", help="--scoring-only: --threads pinned Python threads")
     ap.add_argument("--topk-out", help="--scoring-only: save the top-3 rows (JSON)")
     ap.add_argument("--topk-compare", help="--scoring-only: compare the top-3 rows with a saved file")
     ap.add_argument("--keep", action="store_true")

@@ -16,6 +16,7 @@ query-term x term-document product (scipy) for a whole batch.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -42,7 +43,10 @@ DEFAULT_PARAMS: dict[str, Any] = {"k1": 1.5, "b": 0.75, "stopwords": "en", "stem
 
 
 def load_kernel() -> Any:
-    """The compiled MaxScore module :mod:`.bm25_kernel`, or None where numba is not installed."""
+    """The compiled MaxScore module :mod:`.bm25_kernel`; None where numba is not installed or
+    ``SORL_BM25_KERNEL=0`` (then ``"maxscore"`` is the numpy code, e.g. for a baseline server)."""
+    if os.environ.get("SORL_BM25_KERNEL", "1") == "0":
+        return None
     try:
         from . import bm25_kernel
     except ImportError:

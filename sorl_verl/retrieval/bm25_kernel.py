@@ -4,8 +4,12 @@ The index is bm25s' CSC layout unchanged: term ``t``'s postings are ``indices[in
 (document positions, ascending) with ``data[...]`` the float32 score of ``(t, doc)``. At load,
 :func:`block_maxima` cuts every posting list into blocks of ``block`` postings (the last one
 shorter) and keeps each block's largest score and last document (8 bytes per block: 1/128 of
-the postings' bytes at ``block = 128``, ``BM25Scorer.kernel_block``), and each term's largest score (``max_score``, equal to
-``np.maximum.reduceat``).
+the postings' bytes at ``block = 128``, ``BM25Scorer.kernel_block``), and each term's largest
+score (``max_score``, equal to ``np.maximum.reduceat``). Load cost: one pass over ``data`` (the
+numpy scorer's ``max_score`` already made it) and one read of ``indices`` per block, which
+touches every page of a memory-mapped ``indices`` once; nothing is written next to the index
+(no sidecar file). Memory: 8 bytes per block, e.g. 4.4 MB for the 70.5M postings of the
+synthetic 1M-passage index, ~93 MB at 21M passages (~1.5e9 postings).
 
 :func:`topk_query` scores one query. Its lists ``0..m-1`` (the non-empty query terms) come sorted
 by ascending bound ``ub_i = w_i * max_score`` (``w_i``: the term's count in the query) and split

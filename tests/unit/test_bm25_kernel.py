@@ -215,6 +215,16 @@ def test_kernel_functions_release_the_gil() -> None:
         assert fn.targetoptions.get("nogil") is True
 
 
+def test_environment_switch_falls_back_to_numpy(corpus_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = json.loads((corpus_index / "manifest.json").read_text())["params"]
+    monkeypatch.setenv("SORL_BM25_KERNEL", "0")
+    scorer = BM25Scorer(corpus_index, params)
+    assert scorer.strategy == "maxscore" and not scorer.compiled
+    queries = corpus_queries(50, 5)
+    monkeypatch.delenv("SORL_BM25_KERNEL")
+    assert scorer.topk_ids(queries, 3) == BM25Scorer(corpus_index, params).topk_ids(queries, 3)
+
+
 def test_unknown_strategy_names_the_choices(corpus_index: Path) -> None:
     params = json.loads((corpus_index / "manifest.json").read_text())["params"]
     with pytest.raises(ValueError, match="maxscore-numpy"):
