@@ -44,7 +44,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval import STOP_HEAD, cpu_seconds, pseudo_words  # noqa: E402
-from serve_load import cpu_simd, parse_cpus, pin_process, run_wrk, spawn_affinity, task_affinity, wrk_path  # noqa: E402
+from serve_load import (  # noqa: E402
+    cpu_simd,
+    parse_cpus,
+    pin_process,
+    run_wrk,
+    spawn_affinity,
+    task_affinity,
+    wait_idle,
+    wrk_path,
+)
 
 from sorl_verl.retrieval.build import build_index  # noqa: E402
 from sorl_verl.retrieval.dense import build_faiss_index, encode, load_encoder  # noqa: E402
@@ -312,11 +321,12 @@ def serve_once(
             with urllib.request.urlopen(req, timeout=60) as resp:  # the same answer check as the Python client's
                 assert len(json.loads(resp.read())["result"][0]) == 3
             run_wrk(srv.url, bodies, clients, wrk_warmup_seconds)
+            r_idle = wait_idle(lambda: cpu_seconds(srv.pid))  # the warm-up's abandoned requests are answered
             stats0, cpu0, t0 = _health_stats(srv.url), cpu_seconds(srv.pid), time.perf_counter()
             r = run_wrk(srv.url, bodies, clients, wrk_seconds)
-            time.sleep(0.5)  # requests still in flight when wrk stopped: counted in both CPU and queries
+            r["idle_wait_s"] = [r_idle, wait_idle(lambda: cpu_seconds(srv.pid))]  # in-flight ones: in CPU and queries
             cpu = cpu_seconds(srv.pid) - cpu0
-            r["server_cpu_share"] = cpu / (time.perf_counter() - t0)  # over the run and the 0.5 s drain
+            r["server_cpu_share"] = cpu / (time.perf_counter() - t0)  # over the run and the drain
             stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
             n = max(1, int(stats["queries"]))
         else:

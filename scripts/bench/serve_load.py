@@ -113,6 +113,26 @@ def cpu_simd(cpuinfo: str | None = None) -> list[str]:
     return []
 
 
+def wait_idle(cpu_s: Any, interval: float = 0.3, busy_share: float = 0.05, timeout: float = 120.0) -> float:
+    """Block until a process is idle: ``cpu_s()`` (its CPU seconds) grows by < ``busy_share`` of an interval.
+
+    After a closed-loop load generator stops, a server may still owe the answers to the
+    requests that were in flight (64 of them at 32 ms each is 2 s of work); a measurement that
+    starts before they are done charges them to the next run. Returns the seconds waited;
+    raises ``TimeoutError`` after ``timeout``.
+    """
+    t0 = time.perf_counter()
+    last = cpu_s()
+    while True:
+        time.sleep(interval)
+        now = cpu_s()
+        if now - last < busy_share * interval:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"process still busy after {timeout:g} s ({now - last:.2f} CPU s in {interval:g} s)")
+        last = now
+
+
 def wrk_path() -> str | None:
     """Path of the ``wrk`` executable, or None when it is not installed."""
     return shutil.which("wrk")

@@ -95,3 +95,11 @@ def test_cpu_simd_lists_the_known_flags_in_order():
     assert serve_load.cpu_simd("flags\t: fpu sse2 avx\n") == []
     assert serve_load.cpu_simd("model name\t: no flags line\n") == []
     assert set(serve_load.cpu_simd()) <= set(serve_load.SIMD_FLAGS)
+
+
+def test_wait_idle_returns_once_cpu_stops_growing_and_times_out_when_it_does_not():
+    readings = iter([0.0, 0.3, 0.6, 0.6002])  # busy, busy, then idle (< 5% of the interval)
+    assert serve_load.wait_idle(lambda: next(readings), interval=0.01) >= 0.02
+    busy = iter(float(i) for i in range(10_000))
+    with pytest.raises(TimeoutError, match="still busy"):
+        serve_load.wait_idle(lambda: next(busy), interval=0.01, timeout=0.05)
