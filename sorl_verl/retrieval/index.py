@@ -49,13 +49,15 @@ class IndexSearcher:
         return self.scorer.topk_ids(list(queries), min(int(topk), self.num_docs))
 
     def search(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
+        """Per query, ``{"id", "contents", "score"}`` hits, best first (the batch's documents fetched together)."""
+        hits = self.search_ids(queries, topk)
+        docs = iter(self.docs.get_many([pos for row in hits for pos, _ in row]))
         out = []
-        for hits in self.search_ids(queries, topk):
-            row = []
-            for pos, score in hits:
-                doc = self.docs[pos]
-                row.append({"id": doc["id"], "contents": doc["contents"], "score": score})
-            out.append(row)
+        for row in hits:
+            fetched = [next(docs) for _ in row]
+            out.append(
+                [{"id": d["id"], "contents": d["contents"], "score": s} for d, (_, s) in zip(fetched, row, strict=True)]
+            )
         return out
 
 

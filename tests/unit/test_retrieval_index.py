@@ -261,3 +261,17 @@ def test_analyzer_matches_bm25s_and_keeps_its_cache_bounded() -> None:
     analyzer.max_cache = 3
     assert [analyzer.stems(t) for t in texts] == [list(r) for r in ref[:2]] + [[]]
     assert len(analyzer._cache) <= 3
+
+
+def test_doc_store_get_many_equals_reading_one_by_one(corpus: tuple[list[str], Path, Path]) -> None:
+    from sorl_verl.retrieval.corpus import DocStore
+
+    _, _, index_dir = corpus
+    store = DocStore(index_dir)
+    rng = random.Random(0)
+    positions = [rng.randrange(len(store)) for _ in range(50)] + [0, 0, len(store) - 1]
+    assert store.get_many(positions) == [store[i] for i in positions]
+    assert store.get_many([]) == []
+    for bad in (len(store), -1):
+        with pytest.raises(IndexError, match="outside"):
+            store.get_many([0, bad])
