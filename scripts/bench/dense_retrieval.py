@@ -337,8 +337,7 @@ def serve_once(
             stats = {k: v - stats0.get(k, 0) for k, v in _health_stats(srv.url).items()}
             n = 2 * r["requests"]  # warm-up round + measured round
         r["server_affinity"] = task_affinity(srv.pid)
-        with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as resp:
-            r["http"] = json.loads(resp.read())["serving"].get("http", http)
+        r["http"] = _health(srv.url)["serving"].get("http", http)
     r["server_cpu_ms_per_request"] = 1000 * cpu / n
     r["encode_cpu_ms_per_request"] = 1000 * stats["encode_cpu_s"] / n
     r["search_cpu_ms_per_request"] = 1000 * stats["search_cpu_s"] / n
@@ -360,9 +359,13 @@ def _default_threads(cpus: set[int] | None) -> dict[str, int]:
     return {"torch": torch_n, "faiss": faiss_n}
 
 
-def _health_stats(url: str) -> dict[str, Any]:
+def _health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
-        return json.loads(resp.read())["stats"]
+        return json.loads(resp.read())
+
+
+def _health_stats(url: str) -> dict[str, Any]:
+    return _health(url)["stats"]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
