@@ -119,8 +119,8 @@ class BM25Scorer:
     ``strategy="matmul"`` scores every posting of every query term with one sparse product
     per batch; both give the same documents (scores equal up to float32 summation order).
 
-    Where numba is installed, ``"maxscore"`` runs the compiled block-max MaxScore of
-    :mod:`.bm25_kernel` (no scratch array, GIL released while scoring) with the same
+    Where numba is installed, ``"maxscore"`` runs the compiled windowed block-max MaxScore of
+    :mod:`.bm25_kernel` (no full-corpus scratch array, GIL released while scoring) with the same
     ``theta`` and essential/non-essential split as the numpy code, so its top-k (documents,
     float32 scores and tie order) is bit-identical; ``"maxscore-numpy"`` forces the numpy code.
     """
@@ -131,6 +131,8 @@ class BM25Scorer:
     exhaustive_postings = 8192
     max_kth_cache = 1 << 20
     kernel_block = 128  # postings per block of the compiled kernel's block maxima
+    kernel_window = 8192  # documents per window of the compiled kernel
+    kernel_accumulate = 2.0  # read a non-essential list in order when <= this x the essential lists' postings
 
     def __init__(
         self,
@@ -293,8 +295,12 @@ class BM25Scorer:
         none = np.zeros(0, np.int64)
         sample = np.asarray(self.indices[:0])  # the same array type as a real sample (a view of `indices`)
         self._kernel.sample_kth(self.indices, self.data, sample, none, none, np.zeros(0, np.float32), 1)
-        args = (none, none, none, np.zeros(0, np.float32), np.zeros(0, np.float64), 0, 0.0, 1, self.kernel_block)
+        args = (none, none, none, np.zeros(0, np.float32), np.zeros(0, np.float64), 0, 0.0, 1, *self._kernel_shape())
         self._kernel.topk_query(self.indices, self.data, self._bmax, self._blast, *args, none, np.zeros(1, np.float32))
+
+    def _kernel_shape(self) -> tuple[int, int, float]:
+        """``(block, window, accumulate)`` of :func:`.bm25_kernel.topk_query`."""
+        return self.kernel_block, max(1, int(self.kernel_window)), float(self.kernel_accumulate)
 
     @property
     def compiled(self) -> bool:
@@ -337,9 +343,10 @@ class BM25Scorer:
         )  # fmt: skip
         room = min(k, int((ends - starts).sum()))
         out_docs, out_scores = np.empty(room, np.int64), np.empty(room, np.float32)
-        n = self._kernel.topk_query(*args, tau0, room, self.kernel_block, out_docs, out_scores)
+        shape = self._kernel_shape()
+        n = self._kernel.topk_query(*args, tau0, room, *shape, out_docs, out_scores)
         if n < room and tau0 > 0.0:  # tau0 was not a bound on k candidates (float rounding): search them all
-            n = self._kernel.topk_query(*args, 0.0, room, self.kernel_block, out_docs, out_scores)
+            n = self._kernel.topk_query(*args, 0.0, room, *shape, out_docs, out_scores)
         return list(zip(out_docs[:n].tolist(), out_scores[:n].tolist(), strict=True))
 
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:

@@ -26,12 +26,20 @@ numpy scorer's single-term and exhaustive paths are that case). The result is th
 ``k`` of ``s`` over the candidates, ordered by score descending, ties by smaller document.
 :func:`sample_kth` is the numpy scorer's ``theta`` sample (its ``_lookup`` fold), compiled.
 
-The search is document-at-a-time MaxScore with block-max bounds: ``tau`` is a lower bound on
-the k-th best score (the caller's ``tau0``, then the k-th score in a heap of the best so far);
-lists whose bounds sum (a prefix) stays below ``tau`` are non-essential: a document only in them
-cannot enter, so candidates are taken from the other lists in document order, and the
-non-essential lists are searched (galloping) only while a candidate's upper bound still reaches
-``tau``. Upper bounds use the block maxima of the blocks that would hold the document.
+The search is MaxScore over windows of ``window`` documents (the shape of Lucene's MaxScore bulk
+scorer): ``tau`` is a lower bound on the k-th best score (the caller's ``tau0``, then the k-th
+score in a heap of the best so far); lists ``0..p-1`` whose bounds sum (a prefix) stays below
+``tau`` are non-essential: a document only in them cannot enter, so candidates are the
+documents of lists ``p..m-1`` (``p >= n_non``). A window starts at the smallest unvisited
+essential document. Its essential postings are added into a window accumulator (float64, a
+bound only), which marks the candidates. Each non-essential list is either *accumulated* (its
+window postings added to documents already marked, never marking one: chosen when its length is
+at most ``accumulate`` times the essential lists' total, since reading a list in order costs far
+less per posting than a search in it) or *probed*: bounded over the window by its block maxima,
+then per surviving candidate by the block that would hold it, and searched (galloping) only
+while the candidate's upper bound still reaches ``tau``. The few candidates left get their exact
+score from the lists themselves, in document order. ``p`` and each list's mode are updated
+between windows.
 
 Pruning is safe under float32 rounding: with ``u = 2**-24`` each stored product
 ``fl32(w x) <= w x (1 + u)`` and a float32 fold of ``n`` positive terms is at most
@@ -41,7 +49,8 @@ float64 upper bound ``UB(d)`` of the exact sum. A document is dropped only when
 higher-order and float64 terms), i.e. only when ``s(d) < tau``; ties at ``tau`` are evaluated
 (a later, larger document loses a tie to the heap's, as the order requires). Scores are assumed
 positive (BM25 ``lucene`` scores are). All functions are ``nogil``: threads score queries in
-parallel.
+parallel. Per call, four window buffers of ``window`` entries (256 KB at 8,192) are allocated,
+whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -208,16 +217,6 @@ def sample_kth(
 
 
 @njit(nogil=True, cache=True)
-def _min_doc(cur: np.ndarray, lo: int, hi: int) -> int:
-    """Smallest of ``cur[lo:hi]`` (``SENTINEL`` if empty)."""
-    d = SENTINEL
-    for i in range(lo, hi):
-        if cur[i] < d:
-            d = cur[i]
-    return d
-
-
-@njit(nogil=True, cache=True)
 def topk_query(
     indices: np.ndarray,
     data: np.ndarray,
@@ -232,6 +231,8 @@ def topk_query(
     tau0: float,
     k: int,
     block: int,
+    window: int,
+    accumulate: float,
     out_docs: np.ndarray,
     out_scores: np.ndarray,
 ) -> int:
@@ -240,119 +241,169 @@ def topk_query(
     ``starts/ends`` (int64): the non-empty lists' posting ranges, ascending ``ub`` (float64,
     ``w * max_score``); ``bstarts``: each list's first block in ``bmax/blast``; ``w``: float32
     weights; ``tau0``: a lower bound on the k-th best score such that at least ``k`` candidates
-    score at least it (0 when unknown). ``out_*`` have room for ``k`` entries.
-
-    Documents are visited in ranges ``[d, L]``: ``d`` the next essential document, ``L`` the
-    smallest last document of the blocks holding each list's first posting ``>= d``. In the
-    range list ``i`` scores at most its block maximum ``bm_i``: a range with ``sum bm_i`` below
-    ``tau`` is skipped; in the others a candidate is dropped once its contributions found so far
-    plus the ``bm_i`` of the lists not yet searched fall below ``tau``.
+    score at least it (0 when unknown); ``window`` (>= 1): documents per window; ``accumulate``:
+    a non-essential list at most this many times the essential lists' total length is read in
+    order rather than probed. ``out_*`` have room for ``k`` entries.
     """
     m = len(starts)
-    pos = starts.copy()
-    cur = np.empty(m, np.int64)
-    blk = np.zeros(m, np.int64)  # non-essential lists: block holding the first posting >= d
-    bm = np.zeros(m, np.float64)  # w_i * the range's block maximum of list i (0: list exhausted)
+    pos = starts.copy()  # essential and accumulated lists: first posting of the next window; probed: search start
+    wpos = starts.copy()  # first posting of the current window (exact scoring searches from here)
+    blk = np.zeros(m, np.int64)  # probed lists: block holding the first posting >= the current document
+    bnd = np.zeros(m, np.float64)
     prefix = np.zeros(m + 1, np.float64)  # prefix[i]: sum of the bounds of lists 0..i-1
     for i in range(m):
-        cur[i] = _doc_at(indices, pos[i], ends[i])
         prefix[i + 1] = prefix[i] + ub[i]
     rel = (m + 2) * 2.0**-23
     tau = tau0
+    p = n_non  # lists p..m-1 are essential (numpy's non-essential lists never give candidates)
+    while p < m and prefix[p + 1] * (1.0 + rel) < tau:
+        p += 1
+    ess_len = 0
+    for i in range(p, m):
+        ess_len += ends[i] - starts[i]
+    accumulated = np.zeros(m, np.bool_)
+    for i in range(p):
+        accumulated[i] = ends[i] - starts[i] <= accumulate * ess_len
+    acc = np.full(window, -1.0)  # per window offset: float64 sum so far (-1: not a candidate)
+    touched = np.empty(window, np.int64)
+    surv = np.empty(window, np.int64)
+    sacc = np.empty(window, np.float64)
     hs = np.empty(k, np.float32)
     hd = np.empty(k, np.int64)
     hn = 0
     c = np.zeros(m, np.float32)
     hit = np.zeros(m, np.bool_)
-    p = n_non  # lists p..m-1 are essential (numpy's non-essential lists never give candidates)
-    while p < m and prefix[p + 1] * (1.0 + rel) < tau:
-        p += 1
-    range_end, bm_non = -1, 0.0
-    nxt = _min_doc(cur, p, m)
     while p < m:
-        d = nxt
-        if d == SENTINEL:
-            break
-        if d > range_end:  # a new range starting at d: every list's block bound
-            bm_all, bm_non, range_end = 0.0, 0.0, SENTINEL
-            for i in range(m):
-                if i >= p:
-                    j = (pos[i] - starts[i]) // block
-                    alive = cur[i] != SENTINEL
-                else:
-                    n_blocks = (ends[i] - starts[i] + block - 1) // block
-                    j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), d)
-                    alive = j < n_blocks
-                bm[i] = w[i] * np.float64(bmax[bstarts[i] + j]) if alive else 0.0
-                if alive:
-                    range_end = min(range_end, np.int64(blast[bstarts[i] + j]))
-                bm_all += bm[i]
-                if i < p:
-                    bm_non += bm[i]
-            if bm_all * (1.0 + rel) < tau:  # nothing in the range can enter: skip it
-                for i in range(p, m):
-                    if cur[i] <= range_end:
-                        pos[i] = _seek(indices, pos[i], ends[i], range_end + 1)
-                        cur[i] = _doc_at(indices, pos[i], ends[i])
-                range_end = -1
-                nxt = _min_doc(cur, p, m)
-                continue
-        partial = 0.0  # float64 sum of the contributions found so far (a bound only)
-        nxt = SENTINEL  # the next candidate, found in the same pass
+        ws = SENTINEL
         for i in range(p, m):
-            ci = cur[i]
-            hit[i] = ci == d
-            if ci == d:
-                x = w[i] * data[pos[i]]
-                c[i] = x
-                partial += x
-                pos[i] += 1
-                ci = cur[i] = _doc_at(indices, pos[i], ends[i])
-            if ci < nxt:
-                nxt = ci
-        rest_bound = bm_non
-        if (partial + rest_bound) * (1.0 + rel) < tau:
+            if pos[i] < ends[i] and indices[pos[i]] < ws:
+                ws = indices[pos[i]]
+        if ws == SENTINEL:
+            break
+        we = ws + window  # the window: documents ws .. we-1
+        probe_bound = 0.0  # probed lists: sum of the largest block maximum over the window
+        for i in range(p):
+            if accumulated[i]:
+                continue
+            n_blocks = (ends[i] - starts[i] + block - 1) // block
+            j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), ws)
+            mx = np.float32(0.0)
+            while j < n_blocks:  # the blocks holding documents ws .. we-1
+                if bmax[bstarts[i] + j] > mx:
+                    mx = bmax[bstarts[i] + j]
+                if blast[bstarts[i] + j] >= we - 1:
+                    break
+                j += 1
+            probe_bound += w[i] * np.float64(mx)
+        nt = 0
+        for i in range(p, m):  # essential postings: mark and add
+            wi, q, e = w[i], pos[i], ends[i]
+            wpos[i] = q
+            while q < e:
+                doc = indices[q]
+                if doc >= we:
+                    break
+                o = doc - ws
+                x = wi * data[q]
+                if acc[o] < 0.0:
+                    acc[o] = x
+                    touched[nt] = o
+                    nt += 1
+                else:
+                    acc[o] += x
+                q += 1
+            pos[i] = q
+        for i in range(p):  # accumulated non-essential postings: add to marked documents only
+            if accumulated[i]:
+                wi, e = w[i], ends[i]
+                q = wpos[i] = _seek(indices, pos[i], e, ws)
+                while q < e:
+                    doc = indices[q]
+                    if doc >= we:
+                        break
+                    o = doc - ws
+                    if acc[o] >= 0.0:
+                        acc[o] += wi * data[q]
+                    q += 1
+                pos[i] = q
+        ns = 0
+        for t in range(nt):
+            o = touched[t]
+            if (acc[o] + probe_bound) * (1.0 + rel) >= tau:
+                surv[ns], sacc[ns] = o, acc[o]
+                ns += 1
+            acc[o] = -1.0
+        if ns == 0:  # tau unchanged: so are p and the modes
             continue
-        alive = True
-        for i in range(p - 1, -1, -1):  # non-essential lists, largest bound first
-            rest_bound -= bm[i]
-            hit[i] = False
-            if bm[i] > 0.0:  # d <= range_end <= the last document of block blk[i]: it is in that block
-                first = starts[i] + blk[i] * block
-                pos[i] = _seek(indices, max(pos[i], first), min(first + block, ends[i]), d)
-                cur[i] = _doc_at(indices, pos[i], ends[i])
-                hit[i] = cur[i] == d
+        for a in range(1, ns):  # document order (few survivors: insertion sort)
+            o, v = surv[a], sacc[a]
+            b = a - 1
+            while b >= 0 and surv[b] > o:
+                surv[b + 1], sacc[b + 1] = surv[b], sacc[b]
+                b -= 1
+            surv[b + 1], sacc[b + 1] = o, v
+        for r in range(ns):
+            d, partial = ws + surv[r], sacc[r]
+            if (partial + probe_bound) * (1.0 + rel) < tau:  # tau rose since the filter
+                continue
+            rest = 0.0
+            for i in range(p):
+                if not accumulated[i]:
+                    n_blocks = (ends[i] - starts[i] + block - 1) // block
+                    j = blk[i] = _shallow(blast, bstarts[i], n_blocks, blk[i], d)
+                    bnd[i] = w[i] * np.float64(bmax[bstarts[i] + j]) if j < n_blocks else 0.0
+                    rest += bnd[i]
+            if (partial + rest) * (1.0 + rel) < tau:
+                continue
+            alive = True
+            for i in range(p - 1, -1, -1):  # probed lists, largest bound first
+                if accumulated[i]:
+                    continue
+                rest -= bnd[i]
+                hit[i] = False
+                if bnd[i] > 0.0:  # d is in block blk[i] if in the list at all
+                    first = starts[i] + blk[i] * block
+                    pos[i] = _seek(indices, max(pos[i], first), min(first + block, ends[i]), d)
+                    if pos[i] < ends[i] and indices[pos[i]] == d:
+                        c[i] = w[i] * data[pos[i]]
+                        hit[i] = True
+                        partial += c[i]
+                if (partial + rest) * (1.0 + rel) < tau:
+                    alive = False
+                    break
+            if not alive:
+                continue
+            for i in range(m):  # essential and accumulated lists: the exact contributions
+                if i >= p or accumulated[i]:
+                    q = wpos[i] = _seek(indices, wpos[i], pos[i], d)
+                    hit[i] = q < pos[i] and indices[q] == d
+                    if hit[i]:
+                        c[i] = w[i] * data[q]
+            part = np.float32(0.0)  # the exact score: the numpy scorer's folds
+            for i in range(n_non, m):
                 if hit[i]:
-                    c[i] = w[i] * data[pos[i]]
-                    partial += c[i]
-            if (partial + rest_bound) * (1.0 + rel) < tau:
-                alive = False
-                break
-        if not alive:
-            continue
-        part = np.float32(0.0)  # the exact score: the numpy scorer's folds
-        for i in range(n_non, m):
-            if hit[i]:
-                part = part + c[i]
-        rest = np.float32(0.0)
-        for i in range(n_non):
-            if hit[i]:
-                rest = rest + c[i]
-        s = part + rest
-        if hn < k:
-            _push(hs, hd, hn, s, d)
-            hn += 1
-        elif s > hs[0]:  # d is larger than every heap document: it must beat the worst score
-            hs[0], hd[0] = s, d
-            _sift_down(hs, hd, hn, 0)
-        else:
-            continue
-        if hn == k and hs[0] > tau:
-            tau = hs[0]
+                    part = part + c[i]
+            rest32 = np.float32(0.0)
+            for i in range(n_non):
+                if hit[i]:
+                    rest32 = rest32 + c[i]
+            s = part + rest32
+            if hn < k:
+                _push(hs, hd, hn, s, d)
+                hn += 1
+            elif _worse(hs[0], hd[0], s, d):
+                hs[0], hd[0] = s, d
+                _sift_down(hs, hd, hn, 0)
+            else:
+                continue
+            if hn == k and hs[0] > tau:
+                tau = hs[0]
+        if p < m and prefix[p + 1] * (1.0 + rel) < tau:  # lists turned non-essential: choose their mode
             while p < m and prefix[p + 1] * (1.0 + rel) < tau:
+                ess_len -= ends[p] - starts[p]
                 p += 1
-                range_end = -1  # a list turned non-essential: recompute the range's bounds
-                nxt = _min_doc(cur, p, m)
+            for i in range(p):
+                accumulated[i] = ends[i] - starts[i] <= accumulate * ess_len
     for n in range(hn - 1, -1, -1):  # pop the worst first: fill from the back
         out_scores[n], out_docs[n] = hs[0], hd[0]
         hs[0], hd[0] = hs[n], hd[n]

@@ -88,6 +88,8 @@ def scorer_pair(index_dir: Path, setting: tuple[int, int, int], small_blocks: bo
     k=st.integers(1, 25),
     setting=st.sampled_from(SETTINGS),
     small_blocks=st.booleans(),
+    window=st.sampled_from([1, 7, 64, 8192]),
+    accumulate=st.sampled_from([0.0, 2.0, 1e9]),
 )
 def test_random_index_top_k_is_identical_to_numpy(
     seed: int,
@@ -98,11 +100,15 @@ def test_random_index_top_k_is_identical_to_numpy(
     k: int,
     setting: tuple[int, int, int],
     small_blocks: bool,
+    window: int,
+    accumulate: float,
 ) -> None:
-    """Random postings, ties (few distinct scores), repeated and absent terms, k above the hits."""
+    """Random postings, ties (few distinct scores), repeated and absent terms, k above the hits; windows from
+    one document to more than the corpus, non-essential lists all probed (0), by length (2) or all read (1e9)."""
     with tempfile.TemporaryDirectory() as d:
         index_dir = write_index(Path(d), random_lists(seed, num_docs, n_terms, n_values), num_docs)
         numpy_scorer, kernel_scorer = scorer_pair(index_dir, setting, small_blocks)
+        kernel_scorer.kernel_window, kernel_scorer.kernel_accumulate = window, accumulate
         for q in queries:
             terms = [t for t in q if t < n_terms]
             expected = numpy_scorer._topk_maxscore_one(terms, k)
@@ -180,11 +186,13 @@ def corpus_queries(n: int, seed: int) -> list[str]:
     ] + ["", "zzz", "the of and"]
 
 
+@pytest.mark.parametrize("window", [100, BM25Scorer.kernel_window])  # 40 windows over 4,000 documents; one
 @pytest.mark.parametrize("k", [1, 3, 10, 5000])
-def test_built_corpus_top_k_is_identical_to_numpy(corpus_index: Path, k: int) -> None:
+def test_built_corpus_top_k_is_identical_to_numpy(corpus_index: Path, k: int, window: int) -> None:
     params = json.loads((corpus_index / "manifest.json").read_text())["params"]
     numpy_scorer = BM25Scorer(corpus_index, params, strategy="maxscore-numpy")
     kernel_scorer = BM25Scorer(corpus_index, params, mmap=True)
+    kernel_scorer.kernel_window = window
     assert kernel_scorer.compiled and kernel_scorer.strategy == "maxscore"  # the default where numba is installed
     queries = corpus_queries(300, k)
     expected = numpy_scorer.topk_ids(queries, k)
