@@ -873,10 +873,12 @@ def main(argv: list[str] | None = None) -> int:
         lf, es = timed["loss_fwd_bwd"], timed["estimator"]
         for label, part, na, nb in (("loss fwd+bwd", lf, "vanilla_s", "so_grpo_s"),
                                     ("estimator   ", es, "gae_s", "so_ppo_turn_gae_s")):  # fmt: skip
-            cols = "  ".join(f"{c} {part[na][c] * 1e3:.3f}/{part[nb][c] * 1e3:.3f} ms = {part['ratio'][c]:.3f}"
+            cols = "  ".join(f"{c} {part[nb][c] * 1e3:.3f} vs {part[na][c] * 1e3:.3f} ms = {part['ratio'][c]:.3f}"
                              for c in part[na])  # fmt: skip
             met = "met" if all(v <= part["target"] for k, v in part["ratio"].items() if k != "cpu") else "NOT met"
-            print(f"  {label} {nb[:-2]}/{na[:-2]}: {cols}  (target <= {part['target']}: {met})")
+            print(
+                f"  {label} {nb[:-2]} vs {na[:-2]} (ratio {nb[:-2]}/{na[:-2]}): {cols}  (target <= {part['target']}: {met})"
+            )
         print(f"  host-synchronizing calls per call: {timed['host_syncs_per_call']}")
 
     summary = _finite_json(

@@ -78,22 +78,21 @@ def _ratio_metrics(log_ratio: torch.Tensor, valid: torch.Tensor, low: float, hig
     (``[B, T]`` token log-ratios); an empty micro-batch gives ratios 1 and clip fraction 0.
     """
     one = torch.ones((), dtype=torch.float64, device=log_ratio.device)
-    if not bool(valid.any()):
-        return {
-            f"sorl/{unit}_ratio_mean": one,
-            f"sorl/{unit}_ratio_max": one,
-            f"sorl/{unit}_ratio_min": one,
-            f"sorl/{unit}_clipfrac": 0 * one,
-        }
+    if log_ratio.numel() == 0:  # a shape, known on the host
+        log_ratio, valid = (
+            torch.zeros(1, device=log_ratio.device),
+            torch.zeros(1, dtype=torch.bool, device=valid.device),
+        )
     ratios = torch.exp(log_ratio.double())
-    n = valid.sum()
     inf = torch.tensor(float("inf"), dtype=torch.float64, device=ratios.device)
+    n = valid.sum()
+    some = n > 0  # decided on the device: the metrics cost no host synchronization
     outside = ((ratios < 1.0 - low) | (ratios > 1.0 + high)) & valid
     return {
-        f"sorl/{unit}_ratio_mean": torch.where(valid, ratios, 0.0).sum() / n,
-        f"sorl/{unit}_ratio_max": torch.where(valid, ratios, -inf).max(),
-        f"sorl/{unit}_ratio_min": torch.where(valid, ratios, inf).min(),
-        f"sorl/{unit}_clipfrac": outside.sum() / n,
+        f"sorl/{unit}_ratio_mean": torch.where(some, torch.where(valid, ratios, 0.0).sum() / n.clamp_min(1), one),
+        f"sorl/{unit}_ratio_max": torch.where(some, torch.where(valid, ratios, -inf).amax(), one),
+        f"sorl/{unit}_ratio_min": torch.where(some, torch.where(valid, ratios, inf).amin(), one),
+        f"sorl/{unit}_clipfrac": outside.sum() / n.clamp_min(1),
     }
 
 
@@ -141,8 +140,7 @@ def sorl_policy_loss(
             pg_loss = pg_loss / z.to(pg_loss.dtype)
     else:  # no policy token: a zero loss that still reaches the graph, never 0/0
         pg_loss = torch.where(mask, log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)).sum() * 0
-    if torch.is_grad_enabled() and log_prob.requires_grad:
-        _publish_to_optimizer(float(z), float(norm), float(rel), acts_on_update=active and at_update)
+    publish = torch.is_grad_enabled() and log_prob.requires_grad
 
     with torch.no_grad():
         if turn_level:
@@ -161,8 +159,12 @@ def sorl_policy_loss(
         stats["actor/pg_clipfrac"] = terms.upper.sum().to(torch.float32) / token_denominator
         stats["actor/ppo_kl"] = -terms.log_ratio.sum() / token_denominator
         stats["actor/pg_clipfrac_lower"] = terms.lower.sum().to(torch.float32) / token_denominator
-        values = torch.stack([v.double().reshape(()).to(norm.device) for v in stats.values()]).tolist()
-    return pg_loss, dict(zip(stats, values, strict=True))
+        values = torch.stack([v.double().reshape(()).to(norm.device) for v in stats.values()]).tolist()  # one sync
+    metrics = dict(zip(stats, values, strict=True))
+    if publish:
+        z_, norm_, rel_ = (metrics[f"sorl/{name}"] for name in ("norm_factor", "clip_bias_norm", "clip_bias_rel"))
+        _publish_to_optimizer(z_, norm_, rel_, acts_on_update=active and at_update)
+    return pg_loss, metrics
 
 
 def _publish_to_optimizer(z: float, norm: float, rel: float, acts_on_update: bool) -> None:

@@ -276,6 +276,11 @@ def test_all_masked_micro_batch_gives_zero_not_nan(name, mode):
     assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
     assert metrics["sorl/norm_factor"] == 1.0 and metrics["sorl/num_turns_mean"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
+    ratio_keys = [
+        k for k in metrics if k.startswith("sorl/") and k.endswith(("_ratio_mean", "_ratio_max", "_ratio_min"))
+    ]
+    assert len(ratio_keys) == 3 and all(metrics[k] == 1.0 for k in ratio_keys)  # no ratio: 1, decided on the device
+    assert [metrics[k] for k in metrics if k.startswith("sorl/") and k.endswith("_clipfrac")] == [0.0]
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
