@@ -204,7 +204,10 @@ def test_two_threads_give_the_single_thread_answers(corpus_index: Path) -> None:
     params = json.loads((corpus_index / "manifest.json").read_text())["params"]
     queries = corpus_queries(400, 99)
     expected = BM25Scorer(corpus_index, params).topk_ids(queries, 3)
-    assert BM25Scorer(corpus_index, params, n_threads=2).topk_ids(queries, 3) == expected
+    two = BM25Scorer(corpus_index, params, n_threads=2)
+    assert two.topk_ids(queries, 3) == expected  # chunks of max_chunk queries
+    for n in (4, 13, 16, 33):  # chunks of 1, 1, 2 and 4 queries; the last chunk shorter
+        assert two.topk_ids(queries[:n], 3) == expected[:n]
     scorer, results = BM25Scorer(corpus_index, params), {}
 
     def run(i: int) -> None:
