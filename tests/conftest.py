@@ -6,8 +6,12 @@ verl's wheel installs a top-level ``tests`` package; this suite runs in pytest's
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -83,3 +87,23 @@ class Fp32Bounds:
 def fp32() -> type[Fp32Bounds]:
     """Float32 rounding-error bounds (:class:`Fp32Bounds`) for derived tolerances."""
     return Fp32Bounds
+
+
+@pytest.fixture(scope="session")
+def bench_script() -> Callable[[str], ModuleType]:
+    """Loads ``scripts/bench/<name>.py`` as a module (the folder is no package), once per session."""
+    loaded: dict[str, ModuleType] = {}
+
+    def load(name: str) -> ModuleType:
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(
+                f"sorl_bench_{name}", REPO_ROOT / "scripts" / "bench" / f"{name}.py"
+            )
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return load

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "loss_cuda.py"
-
 
 @pytest.fixture(scope="module")
-def loss_cuda() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sorl_bench_loss_cuda", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def loss_cuda(bench_script: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_script("loss_cuda")
 
 
 def test_small_cpu_run_passes_and_writes_the_json(loss_cuda: ModuleType, tmp_path: Path) -> None:

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "loss_in_step.py"
-
 
 @pytest.fixture(scope="module")
-def loss_in_step() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sorl_bench_loss_in_step", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def loss_in_step(bench_script: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_script("loss_in_step")
 
 
 def test_tiny_cpu_step_times_both_losses(loss_in_step: ModuleType, tmp_path: Path) -> None:
