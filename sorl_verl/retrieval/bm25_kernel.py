@@ -156,11 +156,6 @@ def _push(hs: np.ndarray, hd: np.ndarray, n: int, s: np.float32, d: int) -> None
 
 
 @njit(nogil=True, cache=True)
-def _doc_at(indices: np.ndarray, pos: int, end: int) -> int:
-    return indices[pos] if pos < end else SENTINEL
-
-
-@njit(nogil=True, cache=True)
 def _shallow(blast: np.ndarray, bstart: int, n_blocks: int, j: int, target: int) -> int:
     """First block ``>= j`` (of a list whose block ends are ``blast[bstart:bstart+n_blocks]``) ending at
     or after document ``target``; ``n_blocks`` if none. Galloping."""
