@@ -182,6 +182,7 @@ class BM25Scorer:
         self._pool = ThreadPoolExecutor(self.n_threads) if self.n_threads > 1 else None
         self.scratch = ScratchPool(self.num_docs, scratch_buffers or self.n_threads)
         self._kth_cache: dict[tuple[int, int], float] = {}
+        self._kth_tables: dict[int, np.ndarray] = {}
 
     def query_matrix(self, queries: list[str]) -> sp.csr_matrix:
         """Sparse (queries x terms) matrix of query-term counts."""
@@ -296,8 +297,10 @@ class BM25Scorer:
         none = np.zeros(0, np.int64)
         sample = np.asarray(self.indices[:0])  # the same array type as a real sample (a view of `indices`)
         self._kernel.sample_kth(self.indices, self.data, sample, none, none, np.zeros(0, np.float32), 1)
-        args = (none, none, none, np.zeros(0, np.float32), np.zeros(0, np.float64), 0, 0.0, 1, *self._kernel_shape())
-        self._kernel.topk_query(self.indices, self.data, self._bmax, self._blast, *args, none, np.zeros(1, np.float32))
+        self._kernel.search(
+            self.indices, self.data, self.indptr, self.max_score, self._bbase, self._bmax, self._blast,
+            np.full(1, np.nan, np.float32), none, 1, 1, 1, 0, *self._kernel_shape(), none, np.zeros(1, np.float32),
+        )  # fmt: skip
 
     def _kernel_shape(self) -> tuple[int, int, float]:
         """``(block, window, accumulate)`` of :func:`.bm25_kernel.topk_query`."""
@@ -308,46 +311,24 @@ class BM25Scorer:
         """Whether MaxScore runs in the compiled kernel (:mod:`.bm25_kernel`) rather than numpy."""
         return self._kernel is not None
 
-    def _kernel_split(
-        self, counts: np.ndarray, bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray, k: int
-    ) -> tuple[int, float]:
-        """``(n_non, tau0)`` for :func:`.bm25_kernel.topk_query`, as the numpy path decides them.
-
-        ``n_non``: how many of the non-empty lists (ascending bound) the numpy path treats as
-        non-essential (0 on its single-term and exhaustive paths: every list gives candidates and
-        the score is one fold). ``tau0``: its ``theta`` lowered by the float32 rounding between a
-        partial score and the full one (see :mod:`.bm25_kernel`), or 0.
-        """
-        lengths = ends - starts
-        n_lists = int(np.count_nonzero(lengths))
-        if n_lists == 1 or int(lengths.sum()) <= self.exhaustive_postings:
-            return 0, 0.0
-        slices = [(int(a), int(b), float(w)) for a, b, w in zip(starts, ends, counts, strict=True) if b > a]
-        theta = self._theta(slices, starts, ends, counts, k)
-        n_non = int(np.searchsorted(np.cumsum(bounds), theta, side="left"))
-        if not lengths[n_non:].any():  # the numpy path's exhaustive fallback
-            return 0, 0.0
-        rel = (n_lists + 2) * 2.0**-23
-        return int(np.count_nonzero(lengths[:n_non])), theta * (1.0 - 2.0 * rel)
+    def _kth_table(self, k: int) -> np.ndarray:
+        """Per term, its list's ``k``-th largest score for :func:`.bm25_kernel.plan_query` (NaN: not yet
+        computed; filled as queries need it). 4 bytes per term and ``k``; at most 4 values of ``k`` kept."""
+        table = self._kth_tables.get(k)
+        if table is None:
+            if len(self._kth_tables) >= 4:
+                self._kth_tables.clear()
+            table = self._kth_tables[k] = np.full(len(self.vocab), np.nan, np.float32)
+        return table
 
     def _topk_kernel(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:
-        """The numpy MaxScore path's result (bit-identical), computed by :func:`.bm25_kernel.topk_query`."""
-        terms, counts, bounds, starts, ends = self._query_terms(term_ids)
-        keep = np.flatnonzero(ends > starts)
-        if not len(keep):
-            return []
-        n_non, tau0 = self._kernel_split(counts, bounds, starts, ends, k)
-        terms = terms[keep]
-        args = (
-            self.indices, self.data, self._bmax, self._blast, starts[keep].astype(np.int64), ends[keep].astype(np.int64),
-            self._bbase[terms], counts[keep], bounds[keep], n_non,
+        """The numpy MaxScore path's result (bit-identical), computed by :func:`.bm25_kernel.search`."""
+        out_docs, out_scores = np.empty(k, np.int64), np.empty(k, np.float32)
+        n = self._kernel.search(
+            self.indices, self.data, self.indptr, self.max_score, self._bbase, self._bmax, self._blast,
+            self._kth_table(k), np.array(term_ids, np.int64), k, self.short_list, self.theta_sample,
+            self.exhaustive_postings, *self._kernel_shape(), out_docs, out_scores,
         )  # fmt: skip
-        room = min(k, int((ends - starts).sum()))
-        out_docs, out_scores = np.empty(room, np.int64), np.empty(room, np.float32)
-        shape = self._kernel_shape()
-        n = self._kernel.topk_query(*args, tau0, room, *shape, out_docs, out_scores)
-        if n < room and tau0 > 0.0:  # tau0 was not a bound on k candidates (float rounding): search them all
-            n = self._kernel.topk_query(*args, 0.0, room, *shape, out_docs, out_scores)
         return list(zip(out_docs[:n].tolist(), out_scores[:n].tolist(), strict=True))
 
     def _topk_maxscore_one(self, term_ids: list[int], k: int) -> list[tuple[int, float]]:

@@ -25,6 +25,9 @@ and the candidates are the documents of lists ``n_non..m-1`` (``n_non = 0``: eve
 numpy scorer's single-term and exhaustive paths are that case). The result is the exact top
 ``k`` of ``s`` over the candidates, ordered by score descending, ties by smaller document.
 :func:`sample_kth` is the numpy scorer's ``theta`` sample (its ``_lookup`` fold), compiled.
+:func:`plan_query` makes the numpy scorer's other per-query decisions (term order, ``theta``,
+the split) in compiled code too, and :func:`search` runs one query end to end, so a query holds
+the GIL only for its text analysis.
 
 The search is MaxScore over windows of ``window`` documents (the shape of Lucene's MaxScore bulk
 scorer): ``tau`` is a lower bound on the k-th best score (the caller's ``tau0``, then the k-th
@@ -35,7 +38,8 @@ essential document. Its essential postings are added into a window accumulator (
 bound only), which marks the candidates. Each non-essential list is either *accumulated* (its
 window postings added to documents already marked, never marking one: chosen when its length is
 at most ``accumulate`` times the essential lists' total, since reading a list in order costs far
-less per posting than a search in it) or *probed*: bounded over the window by its block maxima,
+less per posting than a search in it; the add is branch-free, multiplied by whether the document
+is marked, because a branch on that mispredicts often and made the read ~5x dearer) or *probed*: bounded over the window by its block maxima,
 then per surviving candidate by the block that would hold it, and searched (galloping) only
 while the candidate's upper bound still reaches ``tau``. The few candidates left get their exact
 score from the lists themselves, in document order. ``p`` and each list's mode are updated
@@ -294,6 +298,18 @@ def topk_query(
         for i in range(p, m):  # essential postings: mark and add
             wi, q, e = w[i], pos[i], ends[i]
             wpos[i] = q
+            if i == p:  # the window's first list: every document is new
+                while q < e:
+                    doc = indices[q]
+                    if doc >= we:
+                        break
+                    o = doc - ws
+                    acc[o] = wi * data[q]
+                    touched[nt] = o
+                    nt += 1
+                    q += 1
+                pos[i] = q
+                continue
             while q < e:
                 doc = indices[q]
                 if doc >= we:
@@ -317,8 +333,8 @@ def topk_query(
                     if doc >= we:
                         break
                     o = doc - ws
-                    if acc[o] >= 0.0:
-                        acc[o] += wi * data[q]
+                    a0 = acc[o]  # branch-free (a branch on a0 mispredicts here): adds 0 to unmarked ones
+                    acc[o] = a0 + (wi * data[q]) * (a0 >= 0.0)
                     q += 1
                 pos[i] = q
         ns = 0
@@ -404,3 +420,183 @@ def topk_query(
         hs[0], hd[0] = hs[n], hd[n]
         _sift_down(hs, hd, n, 0)
     return hn
+
+
+@njit(nogil=True, cache=True)
+def kth_largest(data: np.ndarray, start: int, end: int, k: int) -> np.float32:
+    """The ``k``-th largest of ``data[start:end]`` (``1 <= k <= end - start``): a min-heap of the ``k`` largest."""
+    h = np.empty(k, np.float32)
+    for n in range(k):
+        h[n] = data[start + n]
+        i = n
+        while i > 0 and h[i] < h[(i - 1) // 2]:
+            h[i], h[(i - 1) // 2] = h[(i - 1) // 2], h[i]
+            i = (i - 1) // 2
+    for q in range(start + k, end):
+        x = data[q]
+        if x > h[0]:
+            h[0] = x
+            i = 0
+            while True:
+                least, left = i, 2 * i + 1
+                if left < k and h[left] < h[least]:
+                    least = left
+                if left + 1 < k and h[left + 1] < h[least]:
+                    least = left + 1
+                if least == i:
+                    break
+                h[i], h[least] = h[least], h[i]
+                i = least
+    return h[0]
+
+
+@njit(nogil=True, cache=True)
+def plan_query(
+    indices: np.ndarray,
+    data: np.ndarray,
+    indptr: np.ndarray,
+    max_score: np.ndarray,
+    kth: np.ndarray,
+    term_ids: np.ndarray,
+    k: int,
+    short_list: int,
+    theta_sample: int,
+    exhaustive_postings: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, float]:
+    """``(terms, starts, ends, w, ub, n_non, tau0)`` of :func:`topk_query` for a query's term ids (repeats count).
+
+    The numpy scorer's own decisions, compiled (``BM25Scorer._query_terms``, ``_theta`` and the
+    split): the distinct terms by ascending bound ``ub = count * max_score`` (float64; stable,
+    from id order), their non-empty lists only; ``theta`` = the ``k``-th best score of a sample
+    (the first ``theta_sample`` documents of the shortest list, scored by :func:`sample_kth` over
+    the lists of at most ``short_list`` postings, else over the shortest list) raised to
+    ``w * (k-th largest score)`` of each such short list; ``n_non`` = the non-empty lists among
+    the prefix whose bounds' running sum stays below ``theta``; ``tau0 = theta * (1 - 2 rel)``.
+    ``n_non = 0, tau0 = 0`` for one list, at most ``exhaustive_postings`` postings, or no
+    essential list left. ``kth[t]`` caches term ``t``'s ``k``-th largest score (NaN: not yet known;
+    filled here, the same value by whichever thread computes it).
+    """
+    ids = np.sort(term_ids)
+    n = 0
+    for i in range(len(ids)):
+        if i == 0 or ids[i] != ids[i - 1]:
+            n += 1
+    terms = np.empty(n, np.int64)
+    counts = np.zeros(n, np.int64)
+    n = -1
+    for i in range(len(ids)):
+        if i == 0 or ids[i] != ids[i - 1]:
+            n += 1
+            terms[n] = ids[i]
+        counts[n] += 1
+    n += 1
+    bounds = np.empty(n, np.float64)
+    for i in range(n):
+        bounds[i] = counts[i] * np.float64(max_score[terms[i]])
+    for a in range(1, n):  # stable insertion sort by bound (few terms)
+        t, c, b = terms[a], counts[a], bounds[a]
+        j = a - 1
+        while j >= 0 and bounds[j] > b:
+            terms[j + 1], counts[j + 1], bounds[j + 1] = terms[j], counts[j], bounds[j]
+            j -= 1
+        terms[j + 1], counts[j + 1], bounds[j + 1] = t, c, b
+    lengths = np.empty(n, np.int64)
+    total, n_lists, shortest = 0, 0, -1
+    for i in range(n):
+        lengths[i] = indptr[terms[i] + 1] - indptr[terms[i]]
+        total += lengths[i]
+        if lengths[i] > 0:
+            n_lists += 1
+            if shortest < 0 or lengths[i] < lengths[shortest]:
+                shortest = i
+    keep = np.empty(n_lists, np.int64)
+    j = 0
+    for i in range(n):
+        if lengths[i] > 0:
+            keep[j] = i
+            j += 1
+    starts = np.empty(n_lists, np.int64)
+    ends = np.empty(n_lists, np.int64)
+    w = np.empty(n_lists, np.float32)
+    ub = np.empty(n_lists, np.float64)
+    for j in range(n_lists):
+        i = keep[j]
+        starts[j], ends[j] = indptr[terms[i]], indptr[terms[i] + 1]
+        w[j], ub[j] = np.float32(counts[i]), bounds[i]
+    terms = terms[keep]
+    if n_lists <= 1 or total <= exhaustive_postings:
+        return terms, starts, ends, w, ub, 0, 0.0
+    short = np.empty(n_lists, np.int64)  # the lists of at most short_list postings, in order
+    n_short, first = 0, 0
+    for j in range(n_lists):
+        if ends[j] - starts[j] <= short_list:
+            short[n_short] = j
+            n_short += 1
+        if keep[j] == shortest:
+            first = j
+    if n_short == 0:  # the sample is scored over the shortest list alone
+        short[0] = first
+    sampled = short[: max(n_short, 1)]
+    sample = indices[starts[first] : min(ends[first], starts[first] + theta_sample)]
+    theta = 0.0
+    if len(sample) >= k:
+        theta = np.float64(sample_kth(indices, data, sample, starts[sampled], ends[sampled], w[sampled], k))
+    for j in short[:n_short]:
+        if ends[j] - starts[j] >= k:
+            v = kth[terms[j]]
+            if v != v:
+                v = kth[terms[j]] = kth_largest(data, starts[j], ends[j], k)
+            theta = max(theta, np.float64(w[j]) * np.float64(v))
+    cum, n_prefix = 0.0, 0
+    for i in range(n):  # over every term, empty lists (bound 0) included, as the numpy scorer counts
+        cum += bounds[i]
+        if cum < theta:
+            n_prefix = i + 1
+        else:
+            break
+    n_non = 0
+    for i in range(n_prefix):
+        if lengths[i] > 0:
+            n_non += 1
+    if n_non == n_lists:  # no essential list left: the numpy path's exhaustive fallback
+        return terms, starts, ends, w, ub, 0, 0.0
+    rel = (n_lists + 2) * 2.0**-23
+    return terms, starts, ends, w, ub, n_non, theta * (1.0 - 2.0 * rel)
+
+
+@njit(nogil=True, cache=True)
+def search(
+    indices: np.ndarray,
+    data: np.ndarray,
+    indptr: np.ndarray,
+    max_score: np.ndarray,
+    bbase: np.ndarray,
+    bmax: np.ndarray,
+    blast: np.ndarray,
+    kth: np.ndarray,
+    term_ids: np.ndarray,
+    k: int,
+    short_list: int,
+    theta_sample: int,
+    exhaustive_postings: int,
+    block: int,
+    window: int,
+    accumulate: float,
+    out_docs: np.ndarray,
+    out_scores: np.ndarray,
+) -> int:
+    """One query end to end: :func:`plan_query`, then :func:`topk_query` (again with ``tau0 = 0`` if
+    ``tau0`` did not bound ``k`` candidates, which float rounding can cause). Returns how many
+    results were written (at most ``k`` and at most the query's postings)."""
+    terms, starts, ends, w, ub, n_non, tau0 = plan_query(
+        indices, data, indptr, max_score, kth, term_ids, k, short_list, theta_sample, exhaustive_postings
+    )
+    if len(terms) == 0:
+        return 0
+    room = min(k, int((ends - starts).sum()))
+    bstarts = bbase[terms]
+    args = (indices, data, bmax, blast, starts, ends, bstarts, w, ub, n_non)
+    n = topk_query(*args, tau0, room, block, window, accumulate, out_docs, out_scores)
+    if n < room and tau0 > 0.0:
+        n = topk_query(*args, 0.0, room, block, window, accumulate, out_docs, out_scores)
+    return n

@@ -116,6 +116,72 @@ def test_random_index_top_k_is_identical_to_numpy(
             assert got == expected, (terms, k)
 
 
+def reference_plan(scorer: BM25Scorer, term_ids: list[int], k: int) -> tuple[list[int], int, float]:
+    """``(non-empty terms in order, n_non, tau0)`` composed from the numpy scorer's own methods."""
+    terms, counts, bounds, starts, ends = scorer._query_terms(term_ids)
+    lengths = ends - starts
+    nonempty = terms[lengths > 0].tolist()
+    n_lists = len(nonempty)
+    if n_lists <= 1 or int(lengths.sum()) <= scorer.exhaustive_postings:
+        return nonempty, 0, 0.0
+    slices = [(int(a), int(b), float(w)) for a, b, w in zip(starts, ends, counts, strict=True) if b > a]
+    theta = scorer._theta(slices, starts, ends, counts, k)
+    n_prefix = int(np.searchsorted(np.cumsum(bounds), theta, side="left"))
+    if not lengths[n_prefix:].any():
+        return nonempty, 0, 0.0
+    rel = (n_lists + 2) * 2.0**-23
+    return nonempty, int(np.count_nonzero(lengths[:n_prefix])), theta * (1.0 - 2.0 * rel)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_docs=st.integers(1, 300),
+    n_terms=st.integers(1, 8),
+    n_values=st.sampled_from([0, 1, 3]),
+    queries=st.lists(st.lists(st.integers(0, 7), max_size=9), min_size=1, max_size=6),
+    k=st.integers(1, 12),
+    setting=st.sampled_from(SETTINGS),
+)
+def test_compiled_plan_is_the_numpy_scorers_decision(
+    seed: int,
+    num_docs: int,
+    n_terms: int,
+    n_values: int,
+    queries: list[list[int]],
+    k: int,
+    setting: tuple[int, int, int],
+) -> None:
+    """``plan_query`` orders the terms, splits them and bounds theta exactly as the numpy scorer does."""
+    with tempfile.TemporaryDirectory() as d:
+        index_dir = write_index(Path(d), random_lists(seed, num_docs, n_terms, n_values), num_docs)
+        numpy_scorer, kernel_scorer = scorer_pair(index_dir, setting, small_blocks=False)
+        sample, short_list, exhaustive = setting
+        for q in queries:
+            term_ids = [t for t in q if t < n_terms]
+            expected = reference_plan(numpy_scorer, term_ids, k)
+            for _ in range(2):  # the second time with the k-th largest scores cached
+                plan = bm25_kernel.plan_query(
+                    kernel_scorer.indices, kernel_scorer.data, kernel_scorer.indptr, kernel_scorer.max_score,
+                    kernel_scorer._kth_table(k), np.array(term_ids, np.int64), k, short_list, sample, exhaustive,
+                )  # fmt: skip
+                terms, starts, ends, w, ub, n_non, tau0 = plan
+                assert (terms.tolist(), n_non, tau0) == expected, (term_ids, k)
+                np.testing.assert_array_equal(starts, kernel_scorer.indptr[terms])
+                np.testing.assert_array_equal(ends, kernel_scorer.indptr[terms + 1])
+                assert np.all(ends > starts) and np.all(np.diff(ub) >= 0)
+
+
+@given(values=st.lists(st.floats(0, 100, width=32), min_size=1, max_size=300), data=st.data())
+def test_kth_largest_is_the_partition_value(values: list[float], data: st.DataObject) -> None:
+    arr = np.array(values, np.float32)
+    start = data.draw(st.integers(0, len(arr) - 1))
+    end = data.draw(st.integers(start + 1, len(arr)))
+    k = data.draw(st.integers(1, end - start))
+    expected = np.partition(arr[start:end], end - start - k)[end - start - k]
+    assert bm25_kernel.kth_largest(arr, start, end, k) == expected
+
+
 def test_max_score_and_block_maxima_match_numpy(tmp_path: Path) -> None:
     lists = random_lists(7, 1000, 12, 0)
     index_dir = write_index(tmp_path, lists, 1000)
@@ -222,7 +288,8 @@ def test_two_threads_give_the_single_thread_answers(corpus_index: Path) -> None:
 
 
 def test_kernel_functions_release_the_gil() -> None:
-    for fn in (bm25_kernel.topk_query, bm25_kernel.sample_kth, bm25_kernel.block_maxima):
+    kernel_fns = (bm25_kernel.topk_query, bm25_kernel.sample_kth, bm25_kernel.block_maxima, bm25_kernel.kth_largest)
+    for fn in (*kernel_fns, bm25_kernel.plan_query, bm25_kernel.search):
         assert fn.targetoptions.get("nogil") is True
 
 
