@@ -132,7 +132,7 @@ class BM25Scorer:
     max_kth_cache = 1 << 20
     max_chunk = 8  # queries a scoring thread takes at a time from a batch split over threads
     kernel_block = 128  # postings per block of the compiled kernel's block maxima
-    kernel_window = 8192  # documents per window of the compiled kernel
+    kernel_window = 16384  # documents per window of the compiled kernel (16,384 vs 8,192: 1.6% less time at 21M)
     kernel_accumulate = 2.0  # read a non-essential list in order when <= this x the essential lists' postings
 
     def __init__(

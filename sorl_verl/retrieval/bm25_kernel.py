@@ -34,16 +34,21 @@ scorer): ``tau`` is a lower bound on the k-th best score (the caller's ``tau0``,
 score in a heap of the best so far); lists ``0..p-1`` whose bounds sum (a prefix) stays below
 ``tau`` are non-essential: a document only in them cannot enter, so candidates are the
 documents of lists ``p..m-1`` (``p >= n_non``). A window starts at the smallest unvisited
-essential document. Its essential postings are added into a window accumulator (float64, a
+essential document. Every list's *window bound* ``wb_i`` is ``w_i`` times the largest block
+maximum over the window; if their sum is below ``tau`` the whole window is passed over, and a
+block of one list that lies inside the window is passed over when ``w_i * bmax + (sum of the
+other lists' wb) < tau``: none of its documents can reach ``tau`` (the rest of a passed-over
+document's score is missing from the accumulator below, which only ever drops documents that
+could not enter). The essential postings are added into a window accumulator (float64, a
 bound only), which marks the candidates. Each non-essential list is either *accumulated* (its
 window postings added to documents already marked, never marking one: chosen when its length is
 at most ``accumulate`` times the essential lists' total, since reading a list in order costs far
 less per posting than a search in it; the add is branch-free, multiplied by whether the document
-is marked, because a branch on that mispredicts often and made the read ~5x dearer) or *probed*: bounded over the window by its block maxima,
-then per surviving candidate by the block that would hold it, and searched (galloping) only
-while the candidate's upper bound still reaches ``tau``. The few candidates left get their exact
-score from the lists themselves, in document order. ``p`` and each list's mode are updated
-between windows.
+is marked, because a branch on that mispredicts often and made the read ~5x dearer) or
+*probed*: bounded over the window by ``wb``, then per surviving candidate by the block that
+would hold it, and searched (galloping) only while the candidate's upper bound still reaches
+``tau``. The few candidates left get their exact score from the lists themselves, in document
+order. ``p`` and each list's mode are updated between windows.
 
 Pruning is safe under float32 rounding: with ``u = 2**-24`` each stored product
 ``fl32(w x) <= w x (1 + u)`` and a float32 fold of ``n`` positive terms is at most
@@ -53,7 +58,7 @@ float64 upper bound ``UB(d)`` of the exact sum. A document is dropped only when
 higher-order and float64 terms), i.e. only when ``s(d) < tau``; ties at ``tau`` are evaluated
 (a later, larger document loses a tie to the heap's, as the order requires). Scores are assumed
 positive (BM25 ``lucene`` scores are). All functions are ``nogil``: threads score queries in
-parallel. Per call, four window buffers of ``window`` entries (256 KB at 8,192) are allocated,
+parallel. Per call, four window buffers of ``window`` entries (512 KB at 16,384) are allocated,
 whatever the corpus size.
 """
 
@@ -249,6 +254,7 @@ def topk_query(
     wpos = starts.copy()  # first posting of the current window (exact scoring searches from here)
     blk = np.zeros(m, np.int64)  # probed lists: block holding the first posting >= the current document
     bnd = np.zeros(m, np.float64)
+    wb = np.zeros(m, np.float64)  # per list: its largest contribution in the current window
     prefix = np.zeros(m + 1, np.float64)  # prefix[i]: sum of the bounds of lists 0..i-1
     for i in range(m):
         prefix[i + 1] = prefix[i] + ub[i]
@@ -281,11 +287,13 @@ def topk_query(
             break
         we = ws + window  # the window: documents ws .. we-1
         probe_bound = 0.0  # probed lists: sum of the largest block maximum over the window
-        for i in range(p):
-            if accumulated[i]:
-                continue
+        wsum = 0.0  # every list: the same sum (a bound on any score in the window)
+        for i in range(m):
             n_blocks = (ends[i] - starts[i] + block - 1) // block
-            j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), ws)
+            if i < p and not accumulated[i]:
+                j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), ws)
+            else:
+                j = _shallow(blast, bstarts[i], n_blocks, (pos[i] - starts[i]) // block, ws)
             mx = np.float32(0.0)
             while j < n_blocks:  # the blocks holding documents ws .. we-1
                 if bmax[bstarts[i] + j] > mx:
@@ -293,49 +301,82 @@ def topk_query(
                 if blast[bstarts[i] + j] >= we - 1:
                     break
                 j += 1
-            probe_bound += w[i] * np.float64(mx)
+            wb[i] = w[i] * np.float64(mx)
+            wsum += wb[i]
+            if i < p and not accumulated[i]:
+                probe_bound += wb[i]
+        if wsum * (1.0 + rel) < tau:  # no document of the window can reach tau
+            for i in range(p, m):
+                pos[i] = _seek(indices, pos[i], ends[i], we)
+            continue
         nt = 0
         for i in range(p, m):  # essential postings: mark and add
             wi, q, e = w[i], pos[i], ends[i]
             wpos[i] = q
-            if i == p:  # the window's first list: every document is new
-                while q < e:
-                    doc = indices[q]
-                    if doc >= we:
-                        break
-                    o = doc - ws
-                    acc[o] = wi * data[q]
-                    touched[nt] = o
-                    nt += 1
-                    q += 1
-                pos[i] = q
-                continue
+            others = wsum - wb[i]
+            fresh = i == p  # the window's first list: every document is new
             while q < e:
-                doc = indices[q]
-                if doc >= we:
-                    break
-                o = doc - ws
-                x = wi * data[q]
-                if acc[o] < 0.0:
-                    acc[o] = x
-                    touched[nt] = o
-                    nt += 1
+                b = (q - starts[i]) // block
+                bend = min(starts[i] + (b + 1) * block, e)
+                if blast[bstarts[i] + b] < we and (wi * np.float64(bmax[bstarts[i] + b]) + others) * (1.0 + rel) < tau:
+                    q = bend  # no document of this block can reach tau
+                    continue
+                done = False
+                if fresh:
+                    while q < bend:
+                        doc = indices[q]
+                        if doc >= we:
+                            done = True
+                            break
+                        o = doc - ws
+                        acc[o] = wi * data[q]
+                        touched[nt] = o
+                        nt += 1
+                        q += 1
                 else:
-                    acc[o] += x
-                q += 1
+                    while q < bend:
+                        doc = indices[q]
+                        if doc >= we:
+                            done = True
+                            break
+                        o = doc - ws
+                        x = wi * data[q]
+                        if acc[o] < 0.0:
+                            acc[o] = x
+                            touched[nt] = o
+                            nt += 1
+                        else:
+                            acc[o] += x
+                        q += 1
+                if done:
+                    break
             pos[i] = q
         for i in range(p):  # accumulated non-essential postings: add to marked documents only
             if accumulated[i]:
                 wi, e = w[i], ends[i]
+                others = wsum - wb[i]
                 q = wpos[i] = _seek(indices, pos[i], e, ws)
                 while q < e:
-                    doc = indices[q]
-                    if doc >= we:
+                    b = (q - starts[i]) // block
+                    bend = min(starts[i] + (b + 1) * block, e)
+                    if (
+                        blast[bstarts[i] + b] < we
+                        and (wi * np.float64(bmax[bstarts[i] + b]) + others) * (1.0 + rel) < tau
+                    ):
+                        q = bend  # no document of this block can reach tau
+                        continue
+                    done = False
+                    while q < bend:
+                        doc = indices[q]
+                        if doc >= we:
+                            done = True
+                            break
+                        o = doc - ws
+                        a0 = acc[o]  # branch-free (a branch on a0 mispredicts here): adds 0 to unmarked ones
+                        acc[o] = a0 + (wi * data[q]) * (a0 >= 0.0)
+                        q += 1
+                    if done:
                         break
-                    o = doc - ws
-                    a0 = acc[o]  # branch-free (a branch on a0 mispredicts here): adds 0 to unmarked ones
-                    acc[o] = a0 + (wi * data[q]) * (a0 >= 0.0)
-                    q += 1
                 pos[i] = q
         ns = 0
         for t in range(nt):
