@@ -224,13 +224,10 @@ class BM25Scorer:
         return total
 
     def _sample_kth(self, sample: np.ndarray, slices: list[tuple[int, int, float]], k: int) -> float:
-        """The ``k``-th largest of :meth:`_lookup` ``(sample, slices)`` (compiled where the kernel is loaded)."""
-        if self._kernel is None:
-            sample_scores = self._lookup(sample, slices)
-            return float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
-        a = np.array(slices, dtype=np.float64).reshape(-1, 3)
-        ends_w = a[:, 1].astype(np.int64), a[:, 2].astype(np.float32)
-        return float(self._kernel.sample_kth(self.indices, self.data, sample, a[:, 0].astype(np.int64), *ends_w, k))
+        """The ``k``-th largest of :meth:`_lookup` ``(sample, slices)`` (the compiled path's twin is
+        :func:`.bm25_kernel.sample_kth`, called from :func:`.bm25_kernel.plan_query`)."""
+        sample_scores = self._lookup(sample, slices)
+        return float(np.partition(sample_scores, len(sample) - k)[len(sample) - k])
 
     def _kth_largest(self, start: int, end: int, k: int) -> float:
         """The ``k``-th largest stored score of the posting list at ``start:end`` (cached per ``(start, k)``)."""
@@ -295,8 +292,6 @@ class BM25Scorer:
     def _warm_kernel(self) -> None:
         """Compile (or load from numba's cache) the kernel for these arrays' types now, not at the first query."""
         none = np.zeros(0, np.int64)
-        sample = np.asarray(self.indices[:0])  # the same array type as a real sample (a view of `indices`)
-        self._kernel.sample_kth(self.indices, self.data, sample, none, none, np.zeros(0, np.float32), 1)
         self._kernel.search(
             self.indices, self.data, self.indptr, self.max_score, self._bbase, self._bmax, self._blast,
             np.full(1, np.nan, np.float32), none, 1, 1, 1, 0, *self._kernel_shape(), none, np.zeros(1, np.float32),

@@ -290,7 +290,8 @@ def topk_query(
         wsum = 0.0  # every list: the same sum (a bound on any score in the window)
         for i in range(m):
             n_blocks = (ends[i] - starts[i] + block - 1) // block
-            if i < p and not accumulated[i]:
+            probed = i < p and not accumulated[i]
+            if probed:
                 j = blk[i] = _shallow(blast, bstarts[i], n_blocks, max(blk[i], (pos[i] - starts[i]) // block), ws)
             else:
                 j = _shallow(blast, bstarts[i], n_blocks, (pos[i] - starts[i]) // block, ws)
@@ -303,7 +304,7 @@ def topk_query(
                 j += 1
             wb[i] = w[i] * np.float64(mx)
             wsum += wb[i]
-            if i < p and not accumulated[i]:
+            if probed:
                 probe_bound += wb[i]
         if wsum * (1.0 + rel) < tau:  # no document of the window can reach tau
             for i in range(p, m):
@@ -465,30 +466,17 @@ def topk_query(
 
 @njit(nogil=True, cache=True)
 def kth_largest(data: np.ndarray, start: int, end: int, k: int) -> np.float32:
-    """The ``k``-th largest of ``data[start:end]`` (``1 <= k <= end - start``): a min-heap of the ``k`` largest."""
-    h = np.empty(k, np.float32)
+    """The ``k``-th largest of ``data[start:end]`` (``1 <= k <= end - start``): the top-k heap of
+    :func:`_push`/:func:`_sift_down` with one document for all, i.e. a min-heap by score alone."""
+    hs = np.empty(k, np.float32)
+    hd = np.zeros(k, np.int64)
     for n in range(k):
-        h[n] = data[start + n]
-        i = n
-        while i > 0 and h[i] < h[(i - 1) // 2]:
-            h[i], h[(i - 1) // 2] = h[(i - 1) // 2], h[i]
-            i = (i - 1) // 2
+        _push(hs, hd, n, data[start + n], 0)
     for q in range(start + k, end):
-        x = data[q]
-        if x > h[0]:
-            h[0] = x
-            i = 0
-            while True:
-                least, left = i, 2 * i + 1
-                if left < k and h[left] < h[least]:
-                    least = left
-                if left + 1 < k and h[left + 1] < h[least]:
-                    least = left + 1
-                if least == i:
-                    break
-                h[i], h[least] = h[least], h[i]
-                i = least
-    return h[0]
+        if data[q] > hs[0]:
+            hs[0] = data[q]
+            _sift_down(hs, hd, k, 0)
+    return hs[0]
 
 
 @njit(nogil=True, cache=True)
@@ -542,14 +530,11 @@ def plan_query(
             j -= 1
         terms[j + 1], counts[j + 1], bounds[j + 1] = t, c, b
     lengths = np.empty(n, np.int64)
-    total, n_lists, shortest = 0, 0, -1
+    total, n_lists = 0, 0
     for i in range(n):
         lengths[i] = indptr[terms[i] + 1] - indptr[terms[i]]
         total += lengths[i]
-        if lengths[i] > 0:
-            n_lists += 1
-            if shortest < 0 or lengths[i] < lengths[shortest]:
-                shortest = i
+        n_lists += lengths[i] > 0
     keep = np.empty(n_lists, np.int64)
     j = 0
     for i in range(n):
@@ -568,12 +553,12 @@ def plan_query(
     if n_lists <= 1 or total <= exhaustive_postings:
         return terms, starts, ends, w, ub, 0, 0.0
     short = np.empty(n_lists, np.int64)  # the lists of at most short_list postings, in order
-    n_short, first = 0, 0
+    n_short, first = 0, 0  # first: the shortest list (the first of equals)
     for j in range(n_lists):
         if ends[j] - starts[j] <= short_list:
             short[n_short] = j
             n_short += 1
-        if keep[j] == shortest:
+        if ends[j] - starts[j] < ends[first] - starts[first]:
             first = j
     if n_short == 0:  # the sample is scored over the shortest list alone
         short[0] = first
