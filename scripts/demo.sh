@@ -78,15 +78,9 @@ echo "[demo] embedded default of task $TASK, warm-start $WARMSTART, under $SORL_
 # build progress goes to stderr; only TRAIN/VAL/INDEX/MODEL/TASK_OVERLAY reach the eval
 PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART")  # a failed build stops here (set -e)
 eval "$PATHS"
+# TRAIN of the QA early-stop warm-starts is their 1- and 2-hop questions (demo_paths.train_files)
 RECIPE_ARGS=()
-if [ -n "$EARLY_STOP" ]; then
-  RECIPE_ARGS=(+demo=early_stop)
-  if [ "$TASK" = qa ]; then
-    # the questions the warm-start has demonstrations for; 3-hop stays in validation
-    DATA_DIR=$(dirname "$TRAIN")
-    TRAIN="[$DATA_DIR/train_1hop.parquet,$DATA_DIR/train_2hop.parquet]"
-  fi
-fi
+if [ -n "$EARLY_STOP" ]; then RECIPE_ARGS=(+demo=early_stop); fi
 
 RUN_DIR=${SORL_RUN_DIR:-$SORL_HOME/runs/${ALGO}-${TASK}-${WARMSTART}-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$RUN_DIR"

@@ -31,7 +31,8 @@ class EmbeddedTask:
 
     task: str
     overlay: str
-    train: Path
+    #: one parquet path, or a hydra list ``[a,b]`` of several (``data.train_files``)
+    train: Path | str
     val: Path
     index_dir: Path
     model: Path
@@ -73,7 +74,17 @@ def embedded_task(task: str, progress: bool = True, warmstart: str = "expert") -
             paths = ensure_embedded_medical(default_root(warmstart), config=warmstart_config(warmstart),
                                             progress=progress)  # fmt: skip
         model = chatml_alias(paths.model_dir)
-    return EmbeddedTask(task, TASK_OVERLAYS[task], paths.parquet["train"], paths.parquet["val"], paths.index_dir, model)
+    return EmbeddedTask(task, TASK_OVERLAYS[task], train_files(task, warmstart, paths.parquet), paths.parquet["val"],
+                        paths.index_dir, model)  # fmt: skip
+
+
+def train_files(task: str, warmstart: str, parquet: dict[str, Path]) -> Path | str:
+    """What a run from ``warmstart`` trains on: the early-stop QA warm-starts (``early-stop*``) on the
+    1- and 2-hop questions only, the ones they have demonstrations for (3-hop stays in validation);
+    every other warm-start on the whole ``train`` split."""
+    if task == "qa" and warmstart.startswith("early-stop"):
+        return f"[{parquet['train_1hop']},{parquet['train_2hop']}]"
+    return parquet["train"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,8 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     name: stress                  # default output: $SORL_HOME/study/<name>
     task: search_qa               # search_qa (default) | medical_mcq: the task overlay (+task=...)
                                   # and whose embedded default the cells train and validate on
+    warmstart: expert             # the task's named warm-start (demo_paths.warmstart_names) the
+                                  # cells start from and the training set it implies
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
     steps: 20                     # trainer.total_training_steps of every cell
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
@@ -55,10 +57,14 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KEY_RE = re.compile(r"^(\+{1,2}|~)?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_0-9][A-Za-z0-9_]*)*$")
 #: the tasks a grid may run (hydra task overlays under recipe/sorl/config/task/ with an embedded default)
 TASKS = ("search_qa", "medical_mcq")
+#: grid task (hydra overlay) -> the embedded default's task name (``scripts/demo.sh --task``)
+EMBEDDED_TASK = {"search_qa": "qa", "medical_mcq": "medical"}
 DEFAULT_TASK = "search_qa"
+DEFAULT_WARMSTART = "expert"
 GRID_KEYS = {
     "name",
     "task",
+    "warmstart",
     "description",
     "include",
     "config_dir",
@@ -102,6 +108,8 @@ class Cell:
     overrides: Mapping[str, str]
     #: the grid's task (hydra ``+task=`` overlay); not part of the key: one task per grid
     task: str = DEFAULT_TASK
+    #: the grid's warm-start (a name of the task's ``WARM_STARTS``); one per grid, like the task
+    warmstart: str = DEFAULT_WARMSTART
 
     @property
     def key(self) -> str:
@@ -123,6 +131,7 @@ class Grid:
     path: Path
     description: str
     task: str
+    warmstart: str
     config_dir: Path
     steps: int
     test_freq: int
@@ -399,6 +408,12 @@ def load_grid(path: str | Path) -> Grid:
     task = data.get("task", DEFAULT_TASK)
     if task not in TASKS:
         raise loc.error(["task"], f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    warmstart = data.get("warmstart", DEFAULT_WARMSTART)
+    from sorl_verl.embedded.demo_paths import warmstart_names
+
+    known = warmstart_names(EMBEDDED_TASK[task])
+    if warmstart not in known:
+        raise loc.error(["warmstart"], f"unknown warm-start {warmstart!r} of task {task} (known: {', '.join(known)})")
     steps = _positive_int(loc, ["steps"], data.get("steps"))
     test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
@@ -422,12 +437,15 @@ def load_grid(path: str | Path) -> Grid:
         "data.val_max_samples": val_max_samples,
         "data.val_batch_size": val_max_samples,
     }
-    cells = _cells(loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys), task)
+    cells = _cells(
+        loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys), task, warmstart
+    )
     return Grid(
         name=name,
         path=path,
         description=str(data.get("description", "")).strip(),
         task=task,
+        warmstart=warmstart,
         config_dir=config_dir,
         steps=steps,
         test_freq=test_freq,
@@ -462,6 +480,7 @@ def _cells(
     common: Mapping[str, Any],
     seed_keys: tuple[str, ...],
     task: str,
+    warmstart: str = DEFAULT_WARMSTART,
 ) -> list[Cell]:
     if not isinstance(raw, list) or not raw:
         raise loc.error(["cells"], "must be a non-empty list of {regimes, algorithms, seeds}")
@@ -495,6 +514,14 @@ def _cells(
                         merged.update({k: s for k in seed_keys})
                         overrides = {k: format_value(v) for k, v in merged.items()}
                         cells.append(
-                            Cell(index=len(cells), regime=r, algorithm=a, seed=s, overrides=overrides, task=task)
+                            Cell(
+                                index=len(cells),
+                                regime=r,
+                                algorithm=a,
+                                seed=s,
+                                overrides=overrides,
+                                task=task,
+                                warmstart=warmstart,
+                            )
                         )
     return cells

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from sorl_verl.study.grid import DEFAULT_TASK, Cell, Grid
+from sorl_verl.study.grid import DEFAULT_TASK, DEFAULT_WARMSTART, EMBEDDED_TASK, Cell, Grid
 from sorl_verl.study.metrics import Trace, read_trace
 
 DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
@@ -57,7 +57,7 @@ LOG_TAIL_LINES = 30
 class Inputs:
     """The embedded default's files and the retrieval endpoint shared by every cell."""
 
-    train: Path
+    train: Path | str  # one parquet or a hydra list of them
     val: Path
     model: Path
     retrieval_url: str
@@ -287,6 +287,7 @@ def run_cell(
         "algorithm": cell.algorithm,
         "seed": cell.seed,
         "task": cell.task,
+        "warmstart": cell.warmstart,
         "steps": grid.steps,
         "overrides": dict(cell.overrides),
         "command": cmd,
@@ -366,14 +367,15 @@ def run_cell(
 
 
 def changed_keys(record: dict[str, Any], cell: Cell) -> list[str]:
-    """Override keys whose value in the recorded run differs from the grid's cell now (``task`` when the task does;
-    a record without one ran the default task)."""
+    """Override keys whose value in the recorded run differs from the grid's cell now (``task`` / ``warmstart``
+    when those do; a record without one ran the default)."""
     ran = record.get("overrides")
     if not isinstance(ran, dict):
         return []
     now = dict(cell.overrides)
     keys = sorted(k for k in set(ran) | set(now) if ran.get(k) != now.get(k))
-    return (["task"] if record.get("task", DEFAULT_TASK) != cell.task else []) + keys
+    grid_level = [("task", DEFAULT_TASK, cell.task), ("warmstart", DEFAULT_WARMSTART, cell.warmstart)]
+    return [name for name, default, value in grid_level if record.get(name, default) != value] + keys
 
 
 def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
@@ -393,20 +395,16 @@ def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
     return "pending"
 
 
-#: grid task (hydra overlay) -> the embedded default's task name (``scripts/demo.sh --task``)
-EMBEDDED_TASK = {"search_qa": "qa", "medical_mcq": "medical"}
-
-
-def prepare_inputs(log: TextIO, task: str = DEFAULT_TASK) -> tuple[Inputs, Any]:
-    """Build/load the embedded default of ``task`` and start the retrieval server over its corpus (call it under
-    the heavy lock).
+def prepare_inputs(log: TextIO, task: str = DEFAULT_TASK, warmstart: str = DEFAULT_WARMSTART) -> tuple[Inputs, Any]:
+    """Build/load the embedded default of ``task`` from ``warmstart`` and start the retrieval server over its
+    corpus (call it under the heavy lock).
 
     Returns the inputs and the server (``.stop()`` it when done).
     """
     from sorl_verl.embedded.demo_paths import embedded_task
     from sorl_verl.retrieval.server import serve_in_background
 
-    built = embedded_task(EMBEDDED_TASK[task])
+    built = embedded_task(EMBEDDED_TASK[task], warmstart=warmstart)
     if built.overlay != task:
         raise ValueError(f"embedded default of {task!r} runs the overlay {built.overlay!r}")
     server = serve_in_background(built.index_dir, subprocess_mode=True)
@@ -480,7 +478,7 @@ def run_grid(
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     if inputs is None:  # first cell to run: embedded default (built on first use) + server
-                        inputs, server = prepare_inputs(log, grid.task)
+                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart)
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sorl_verl.embedded.demo_paths import TASK_OVERLAYS
+from sorl_verl.embedded.demo_paths import TASK_OVERLAYS, train_files
 from sorl_verl.embedded.medical_world import QUESTION_TYPES, data_source
-from sorl_verl.study.grid import DEFAULT_TASK, TASKS, GridError, load_grid
+from sorl_verl.study.grid import DEFAULT_TASK, DEFAULT_WARMSTART, TASKS, GridError, load_grid
 from sorl_verl.study.metrics import TASK_SOURCES, parse_records, source_task
 from sorl_verl.study.runner import EMBEDDED_TASK, Inputs, cell_command, cell_dir, cell_state, changed_keys, write_record
 
@@ -74,6 +74,28 @@ def test_a_cell_run_for_another_task_is_changed(tmp_path):
     assert changed_keys(record, med) == ["task"] and cell_state(out, med) == "changed"
     write_record(cell_dir(out, med), {**record, "task": "medical_mcq"})
     assert cell_state(out, med) == "done" and cell_state(out, qa) == "changed"
+
+
+def test_warmstart_is_grid_level_validated_and_part_of_a_cells_identity(tmp_path):
+    grid = load_grid(grid_file(tmp_path))
+    assert grid.warmstart == DEFAULT_WARMSTART == "expert" and {c.warmstart for c in grid.cells} == {"expert"}
+    es = load_grid(grid_file(tmp_path, "warmstart: early-stop-50\n"))
+    assert {c.warmstart for c in es.cells} == {"early-stop-50"} and es.cells[0].overrides == grid.cells[0].overrides
+    record = {"status": "done", "overrides": dict(grid.cells[0].overrides)}  # a record without one ran the expert
+    assert changed_keys(record, grid.cells[0]) == [] and changed_keys(record, es.cells[0]) == ["warmstart"]
+    path = grid_file(tmp_path, "warmstart: early-stop-70\n")
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert str(err.value).startswith(f"{path}:1: warmstart: unknown warm-start 'early-stop-70'")
+    assert "early-stop-50" in str(err.value)
+
+
+def test_the_early_stop_qa_warm_starts_train_on_the_hops_they_have_demonstrations_for():
+    parquet = {name: Path(f"/d/{name}.parquet") for name in ("train", "train_1hop", "train_2hop", "train_3hop")}
+    for name in ("early-stop", "early-stop-50"):
+        assert train_files("qa", name, parquet) == "[/d/train_1hop.parquet,/d/train_2hop.parquet]"
+    assert train_files("qa", "expert", parquet) == Path("/d/train.parquet")
+    assert train_files("medical", "early-stop", {"train": Path("/m.parquet")}) == Path("/m.parquet")
 
 
 def _validation_line(step: int, scores: dict[str, float]) -> str:
