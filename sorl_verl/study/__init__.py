@@ -8,5 +8,7 @@
   ``scripts/demo.sh`` runs it; resumable grid, one run directory per cell.
 * :mod:`~sorl_verl.study.aggregate`: every cell -> ``stability.json`` and the markdown table.
 * :mod:`~sorl_verl.study.plots`: one PNG per regime (mean and min-max band over seeds).
+* :mod:`~sorl_verl.study.archive`: a grid's finished runs (``cell.json`` + ``metrics.jsonl``) in one
+  ``.tar.xz``, what the repository keeps (``docs/results/study/<grid>.tar.xz``); aggregate reads it back.
 * :mod:`~sorl_verl.study.cli`: ``python -m sorl_verl.study`` / ``sorl-verl study``.
 """

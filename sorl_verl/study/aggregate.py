@@ -254,4 +254,3 @@ def runs_table(runs: Sequence[dict[str, Any]]) -> str:
             f"| {_fmt(r['max_ppo_kl'])} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
-

@@ -4,7 +4,8 @@
                                     [--retry-failed] [--rerun-changed] [--lock PATH|none]
                                     [--cell-timeout S] [--dry-run]
     python -m sorl_verl.study status --grid G [--out DIR] [--only PAT ...]
-    python -m sorl_verl.study aggregate --grid G [--out DIR] [--only PAT ...] [--results docs/results]
+    python -m sorl_verl.study aggregate --grid G [--out DIR | --from-archive] [--only PAT ...] [--results docs/results]
+    python -m sorl_verl.study archive --grid G [--out DIR] [--only PAT ...] [--archive PATH]
 
 ``--out`` defaults to ``$SORL_HOME/study/<grid name>``. ``--only`` (repeatable, union) selects
 cells by key ``<regime>/<algorithm>/seed<k>``: a plain string is a substring of the key, a glob
@@ -12,7 +13,12 @@ cells by key ``<regime>/<algorithm>/seed<k>``: a plain string is a substring of 
 per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study already runs
 under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png``,
 ``stability_table.md`` and the per-run ``stability_runs.md`` (names from ``--name``) into ``--results`` (default: the repository's
-``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``.
+``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``; with
+``--from-archive`` it reads the runs from the grid's archive instead of the run directory.
+``archive`` writes every finished cell's ``cell.json`` and ``metrics.jsonl`` into one ``.tar.xz``
+(``--archive``, default ``docs/results/study/<grid name>.tar.xz``): what the repository keeps of a
+study (train logs and per-update records stay in the run directory); ``tar -xJf`` of it into
+``--out`` restores the cells.
 A finished cell whose overrides the grid has changed since is ``changed``: ``run`` skips it
 (``--rerun-changed`` re-runs it), ``status`` names the keys, ``aggregate`` warns and records them.
 Exit status: 0 ok, 1 a selected cell failed or is changed (run) or none finished (aggregate),
@@ -28,7 +34,7 @@ from pathlib import Path
 
 from sorl_verl.study.grid import Grid, GridError, load_grid
 
-COMMANDS = ("run", "status", "aggregate")
+COMMANDS = ("run", "status", "aggregate", "archive")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     agg.add_argument("--results", help="output directory (default: <repository>/docs/results)")
     agg.add_argument("--name", default="stability", help="file name stem (default: stability)")
     agg.add_argument("--no-plots", action="store_true")
+    agg.add_argument(
+        "--from-archive", action="store_true", help="read the runs from the grid's archive, not from --out"
+    )
+    agg.add_argument("--archive", help="archive file (default: <repository>/docs/results/study/<grid name>.tar.xz)")
+
+    arc = sub.add_parser("archive", help="finished cells' cell.json + metrics.jsonl -> one .tar.xz")
+    common(arc)
+    arc.add_argument("--archive", help="archive file (default: <repository>/docs/results/study/<grid name>.tar.xz)")
     return p
 
 
@@ -171,6 +185,7 @@ def _status_reason(state: str, rec: dict, cell, changed: list[str]) -> str:
 
 def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     from sorl_verl.study.aggregate import collect, markdown_table, runs_table, stability, write_stability
+    from sorl_verl.study.archive import ArchiveError, read_archive
     from sorl_verl.study.runner import changed_keys
 
     out = _out_dir(grid, a.out)
@@ -183,9 +198,20 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
         print(f"{grid.path} is not inside the repository: give --results DIR", file=sys.stderr)
         return 2
     cells = grid.select(a.only)
-    found = collect(out, {c.key for c in cells})
+    if a.from_archive:
+        source = _archive_path(a, grid, root)
+        if source is None:
+            return 2
+        try:
+            found = read_archive(source, {c.key for c in cells})
+        except (ArchiveError, OSError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+    else:
+        source = out
+        found = collect(out, {c.key for c in cells})
     if not found:
-        print(f"no finished cell of {grid.name} under {out} (run it first)", file=sys.stderr)
+        print(f"no finished cell of {grid.name} in {source} (run it first)", file=sys.stderr)
         return 1
     finished = {rec["key"] for rec, _ in found}
     inside = root is not None and grid.path.is_relative_to(root)
@@ -219,6 +245,39 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     return 0
 
 
+def _archive_path(a: argparse.Namespace, grid: Grid, root: Path | None) -> Path | None:
+    """``--archive``, else the repository's ``docs/results/study/<grid>.tar.xz`` (None, with a message, when neither)."""
+    from sorl_verl.study.archive import default_archive
+
+    if a.archive:
+        return Path(a.archive).expanduser().resolve()
+    if root is not None:
+        return default_archive(root / "docs" / "results", grid.name)
+    print(f"{grid.path} is not inside the repository: give --archive FILE", file=sys.stderr)
+    return None
+
+
+def _cmd_archive(a: argparse.Namespace, grid: Grid) -> int:
+    from sorl_verl.study.archive import ArchiveError, write_archive
+
+    out = _out_dir(grid, a.out)
+    path = _archive_path(a, grid, _repo_root(grid))
+    if path is None:
+        return 2
+    cells = grid.select(a.only)
+    try:
+        keys = write_archive(out, path, {c.key for c in cells})
+    except ArchiveError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    left = len(cells) - len(keys)
+    print(
+        f"wrote {path} ({len(keys)} runs, {path.stat().st_size / 1024:.0f} KiB)"
+        + (f"; {left} selected cells not finished, not archived" if left else "")
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in (*COMMANDS, "-h", "--help"):
@@ -233,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_run(a, grid)
     if a.command == "status":
         return _cmd_status(a, grid)
+    if a.command == "archive":
+        return _cmd_archive(a, grid)
     return _cmd_aggregate(a, grid)
 
 

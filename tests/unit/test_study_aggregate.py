@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from sorl_verl.study import cli
 from sorl_verl.study.aggregate import collect, lr_match, markdown_table, runs_table, stability, write_stability
+from sorl_verl.study.archive import ArchiveError, read_archive, write_archive
 from sorl_verl.study.collapse import CRITERION
 from sorl_verl.study.grid import load_grid
 from sorl_verl.study.runner import write_record
@@ -276,3 +278,76 @@ def test_cli_aggregate_grid_outside_the_repository(study, tmp_path):
     assert (
         json.loads((res / "stability.json").read_text())["command"] == f"python -m sorl_verl.study --grid {elsewhere}"
     )
+
+
+def test_archive_round_trip_regenerates_the_same_files(study, tmp_path, capsys):
+    """archive -> aggregate --from-archive writes byte-identical json/tables to aggregate from the run directory."""
+    grid = grid_file(tmp_path)
+    archive = tmp_path / "g.tar.xz"
+    assert cli.main(["archive", "--grid", str(grid), "--out", str(study), "--archive", str(archive)]) == 0
+    assert "(5 runs," in capsys.readouterr().out  # the 'running' cell is not archived
+    with tarfile.open(archive, "r:xz") as tar:
+        names = tar.getnames()
+        assert {m.mtime for m in tar} == {0}
+    assert names == [f"hot/{a}/seed{s}/{f}" for a, s in GRID_KEYS for f in ("cell.json", "metrics.jsonl")]
+    from_dir, from_archive = tmp_path / "a", tmp_path / "b"
+    common = ["--grid", str(grid), "--no-plots"]
+    assert cli.main(["aggregate", *common, "--out", str(study), "--results", str(from_dir)]) == 0
+    assert (
+        cli.main(["aggregate", *common, "--from-archive", "--archive", str(archive), "--results", str(from_archive)])
+        == 0
+    )
+    for name in ("stability.json", "stability_table.md", "stability_runs.md"):
+        assert (from_archive / name).read_bytes() == (from_dir / name).read_bytes(), name
+    # archiving the same runs again writes the same bytes
+    again = tmp_path / "again.tar.xz"
+    assert cli.main(["archive", "--grid", str(grid), "--out", str(study), "--archive", str(again)]) == 0
+    assert again.read_bytes() == archive.read_bytes()
+
+
+#: (algorithm, seed) of the study fixture's finished cells, in path order
+GRID_KEYS = [("grpo", 1), ("grpo", 2), ("gspo", 1), ("so_grpo", 1), ("so_grpo", 2)]
+
+
+def test_archive_restores_the_run_directory_and_honours_only(study, tmp_path):
+    archive = tmp_path / "g.tar.xz"
+    assert write_archive(study, archive, {"hot/grpo/seed1", "hot/cispo/seed1"}) == ["hot/grpo/seed1"]
+    assert [r["key"] for r, _ in read_archive(archive)] == ["hot/grpo/seed1"]
+    write_archive(study, archive)
+    restored = tmp_path / "restored"
+    with tarfile.open(archive, "r:xz") as tar:
+        tar.extractall(restored, filter="data")
+    assert [(r, t.val_scores, t.train) for r, t in collect(restored)] == [
+        (r, t.val_scores, t.train) for r, t in collect(study)
+    ]
+    assert [r["key"] for r, _ in read_archive(archive, {"hot/so_grpo/seed2"})] == ["hot/so_grpo/seed2"]
+
+
+def test_bad_archives_are_named(study, tmp_path, capsys):
+    grid = grid_file(tmp_path)
+    bad = tmp_path / "bad.tar.xz"
+    bad.write_bytes(b"not an archive")
+    args = ["aggregate", "--grid", str(grid), "--from-archive", "--archive", str(bad), "--results", str(tmp_path / "r")]
+    assert cli.main(args) == 2
+    assert f"{bad}: not a readable .tar.xz study archive" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.tar.xz"
+    with tarfile.open(foreign, "w:xz") as tar:
+        tar.add(study / "hot" / "grpo" / "seed1" / "metrics.jsonl", arcname="notes/metrics.jsonl")
+    with pytest.raises(ArchiveError, match="'notes/metrics.jsonl' is not <regime>/<algorithm>/seed<k>/"):
+        read_archive(foreign)
+    assert cli.main(["archive", "--grid", str(grid), "--out", str(tmp_path / "empty"), "--archive", str(bad)]) == 1
+    assert "no finished run" in capsys.readouterr().err
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("grid", "name"), [("stress", "stability"), ("stress_b", "stability_b")])
+def test_committed_archive_regenerates_the_committed_tables(grid, name, tmp_path):
+    """docs/results/study/<grid>.tar.xz -> the committed stability json and tables, byte for byte."""
+    res = tmp_path / "res"
+    args = ["aggregate", "--grid", str(REPO_ROOT / "recipe/sorl/study" / f"{grid}.yaml"), "--from-archive"]
+    assert cli.main([*args, "--results", str(res), "--name", name, "--no-plots"]) == 0
+    for suffix in (".json", "_table.md", "_runs.md"):
+        committed = REPO_ROOT / "docs" / "results" / f"{name}{suffix}"
+        assert (res / f"{name}{suffix}").read_bytes() == committed.read_bytes(), committed
