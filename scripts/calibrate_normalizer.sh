@@ -6,12 +6,13 @@
 #   bash scripts/calibrate_normalizer.sh [STEPS]      # resumable: a finished regime is skipped
 #
 # Each regime's update log (one record per optimizer step, each micro-batch's ||C||, rho, Z) lands
-# in docs/results/calibration/<regime>/sorl_updates.jsonl; `python scripts/calibration_summary.py
-# docs/results/calibration` summarizes them (quantiles, share of micro-batches above each tau).
+# in $OUT/<regime>/sorl_updates.jsonl (default $SORL_HOME/calibration); `python scripts/calibration_summary.py
+# $OUT` summarizes them (quantiles, share of micro-batches above each tau). The repository keeps the
+# measured runs as docs/results/calibration/runs.tar.xz (command, metrics and update log per regime).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-6}
-OUT=docs/results/calibration
+OUT=${OUT:-${SORL_HOME:-$HOME/.cache/sorl_verl}/calibration}
 COMMON=(trainer.test_freq=-1 trainer.val_before_train=false actor_rollout_ref.actor.policy_loss.clip_norm_mode=none)
 declare -A REGIMES=(
   [on_policy]="actor_rollout_ref.actor.ppo_epochs=1 actor_rollout_ref.actor.ppo_mini_batch_size=8"

@@ -1,11 +1,13 @@
 """Summarize the normalizer calibration runs (scripts/calibrate_normalizer.sh).
 
-Reads ``<dir>/<regime>/sorl_updates.jsonl`` (one record per optimizer step with each micro-batch's
+Reads ``<regime>/sorl_updates.jsonl`` (one record per optimizer step with each micro-batch's
 ``clip_bias_norm`` = ||C|| and ``clip_bias_rel`` = rho) and prints, per regime, the distribution of
 both over the micro-batches that had gradients, and for candidate values of tau the share of
-micro-batches with Z = max(1, q/tau) > 1 and the mean step factor mean(1/Z).
+micro-batches with Z = max(1, q/tau) > 1 and the mean step factor mean(1/Z). The runs are read
+from a directory (what scripts/calibrate_normalizer.sh writes) or from the ``.tar.xz`` the
+repository keeps of it.
 
-    python scripts/calibration_summary.py docs/results/calibration [--json OUT]
+    python scripts/calibration_summary.py docs/results/calibration/runs.tar.xz [--json OUT]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tarfile
 from pathlib import Path
 
 REGIMES = ("on_policy", "mild", "moderate", "heavy")
@@ -28,9 +31,23 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def micro_batches(path: Path) -> dict[str, list[float]]:
+def update_logs(source: Path) -> dict[str, str]:
+    """regime -> text of its ``<regime>/sorl_updates.jsonl``, from a directory or a ``.tar.xz`` of one."""
+    names = {f"{regime}/sorl_updates.jsonl": regime for regime in REGIMES}
+    if source.is_dir():
+        return {regime: (source / name).read_text() for name, regime in names.items() if (source / name).is_file()}
+    with tarfile.open(source, "r:xz") as tar:
+        found = {}
+        for member in tar:
+            handle = tar.extractfile(member) if member.name in names else None
+            if handle is not None:
+                found[names[member.name]] = handle.read().decode()
+    return {regime: found[regime] for regime in REGIMES if regime in found}
+
+
+def micro_batches(text: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"clip_bias_norm": [], "clip_bias_rel": []}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         record = json.loads(line)
         for key in out:
             out[key].extend(record.get(key, []))
@@ -58,18 +75,20 @@ def summarize(values: list[float], taus: tuple[float, ...]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dir", type=Path)
+    parser.add_argument("source", type=Path, help="calibration directory or its .tar.xz")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     result: dict[str, dict] = {}
-    for regime in REGIMES:
-        path = args.dir / regime / "sorl_updates.jsonl"
-        if not path.exists():
-            continue
-        data = micro_batches(path)
+    try:
+        logs = update_logs(args.source)
+    except (OSError, tarfile.TarError) as exc:
+        print(f"error: {args.source}: {exc}", file=sys.stderr)
+        return 2
+    for regime, text in logs.items():
+        data = micro_batches(text)
         result[regime] = {key: summarize(values, TAUS[key]) for key, values in data.items()}
     if not result:
-        print(f"error: no {args.dir}/<regime>/sorl_updates.jsonl", file=sys.stderr)
+        print(f"error: no <regime>/sorl_updates.jsonl in {args.source}", file=sys.stderr)
         return 2
     for key, label in (("clip_bias_norm", "||C|| (absolute)"), ("clip_bias_rel", "rho (relative)")):
         taus = TAUS[key]
