@@ -21,7 +21,7 @@ cost exactly ``--http-before-ms`` / ``--http-now-ms`` per request (0 by default:
 that ignores HTTP altogether).
 
     python scripts/bench/dense_batching_bound.py --workdirs /tmp/dbench /tmp/dbench768 --cpu 0 \
-        --json-out scripts/bench/dense_batching_bound_results.json
+        --json-out /tmp/dense_batching_bound.json   # measured: docs/results/bench/dense_batching_bound.json
 """
 
 from __future__ import annotations

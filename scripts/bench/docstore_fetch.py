@@ -14,7 +14,7 @@ cache for ``docs.jsonl`` (the mapping is closed and ``POSIX_FADV_DONTNEED`` drop
 The documents are the top-k rows saved by ``retrieval_scale.py --scoring-only --topk-out``:
 
     python scripts/bench/docstore_fetch.py --index /tmp/rscale/n21015324/index --rows top21_numpy.json \
-        --json-out scripts/bench/docstore_fetch_21m_results.json
+        --json-out /tmp/docstore_fetch_21m.json   # measured: docs/results/bench/docstore_fetch.json, run '21m'
 """
 
 from __future__ import annotations
