@@ -1,0 +1,155 @@
+"""Which logged signals warn of a validation drop, how early, and how often they cry wolf.
+
+The rule, fixed before the learning study's runs:
+
+- **Drop.** A run *dropped* when it collapsed (:mod:`sorl_verl.study.collapse`) or gained and then
+  lost the gain (:mod:`sorl_verl.study.measures`). Its drop step is the collapse onset, or else the
+  first validation after the peak whose gain over step 0 is below ``LOST_FRACTION`` of the peak
+  gain. A run that did neither *held*.
+- **Alarm.** For a signal ``x_t`` (one value per training step), the baseline ``b`` is its median
+  over steps ``1..BASELINE_STEPS`` and ``m_t`` the mean of the last ``WINDOW`` steps. The signal
+  alarms at the first step ``t > BASELINE_STEPS`` with ``m_t > FACTOR * max(b, floor)`` (or, for the
+  two-sided signals, also ``m_t < max(b, floor) / FACTOR``), where ``floor`` is ``FLOOR_SHARE`` of the
+  median over the study's runs of the signal's largest value in each run (a scale of the signal
+  itself, so that a baseline of 0, such as a clip fraction on-policy, does not alarm on any rise).
+- **Scored.** An alarm warned of a drop when it came at or before the drop step (``lead = drop step
+  - alarm step``); an alarm in a run that held is a false alarm.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN
+
+BASELINE_STEPS = 5
+WINDOW = 3
+FACTOR = 2.0
+FLOOR_SHARE = 0.1
+
+#: signal name -> (metric key in verl's metrics file, two-sided)
+SIGNALS: dict[str, tuple[str, bool]] = {
+    "||C(theta)||": ("actor/sorl/clip_bias_grad_norm", False),
+    "||C||": ("actor/sorl/clip_bias_norm", False),
+    "rho": ("actor/sorl/clip_bias_rel", False),
+    "ppo_kl": ("actor/ppo_kl", False),
+    "turn clipfrac": ("actor/sorl/turn_clipfrac", False),
+    "token clipfrac": ("actor/pg_clipfrac", False),
+    "entropy": ("actor/entropy", True),
+    "grad norm": ("actor/grad_norm", False),
+    "response length": ("response_length/mean", True),
+    "turns per episode": ("agent/turns_mean", True),
+}
+
+RULE = (
+    f"Drop: collapse onset, or the first validation after the peak below {LOST_FRACTION:g} x the peak gain "
+    f"(runs that gained >= {MIN_GAIN:g} and lost it). Alarm: the first step after {BASELINE_STEPS} where the "
+    f"mean of the last {WINDOW} steps exceeds {FACTOR:g} x max(baseline, floor) (two-sided signals: or falls "
+    f"below it / {FACTOR:g}); baseline = median over steps 1-{BASELINE_STEPS}; floor = {FLOOR_SHARE:g} x the "
+    "median over runs of the signal's maximum. Warned: alarm at or before the drop; false alarm: alarm in a "
+    "run that held."
+)
+
+
+def drop_step(val_scores: Sequence[tuple[int, float]], collapse_onset: int | None) -> int | None:
+    """The step of a run's drop (see the module docstring), or None when it held."""
+    if collapse_onset is not None:
+        return collapse_onset
+    val_scores = [(s, v) for s, v in val_scores if math.isfinite(v)]
+    if len(val_scores) < 2:
+        return None
+    v0 = val_scores[0][1]
+    peak = max(v for _, v in val_scores)
+    peak_gain = peak - v0
+    final_gain = val_scores[-1][1] - v0
+    if not (peak_gain >= MIN_GAIN - 1e-9 and final_gain < LOST_FRACTION * peak_gain):
+        return None
+    peak_step = next(s for s, v in val_scores if v == peak)
+    return next(s for s, v in val_scores if s > peak_step and v - v0 < LOST_FRACTION * peak_gain)
+
+
+def alarm_step(series: Sequence[tuple[int, float]], floor: float, two_sided: bool) -> int | None:
+    """The first step at which the signal alarms (see the module docstring), or None."""
+    base_vals = [v for s, v in series if 1 <= s <= BASELINE_STEPS]
+    if not base_vals:
+        return None
+    ref = max(statistics.median(base_vals), floor)
+    if ref <= 0:
+        return None
+    values = [v for _, v in series]
+    for i, (step, _) in enumerate(series):
+        if step <= BASELINE_STEPS or i + 1 < WINDOW:
+            continue
+        m = sum(values[i + 1 - WINDOW : i + 1]) / WINDOW
+        if m > FACTOR * ref or (two_sided and m < ref / FACTOR):
+            return step
+    return None
+
+
+@dataclass(frozen=True)
+class RunSignals:
+    """What the analysis needs of one run: its key, drop step (None: held) and signal series."""
+
+    key: str
+    drop: int | None
+    series: Mapping[str, Sequence[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class SignalScore:
+    signal: str
+    dropped_runs: int  # runs that dropped and log the signal
+    warned: int  # of those, alarmed at or before the drop
+    leads: tuple[int, ...]  # drop step - alarm step, per warned run
+    held_runs: int  # runs that held and log the signal
+    false_alarms: int
+
+    def as_dict(self) -> dict[str, object]:
+        lead = statistics.median(self.leads) if self.leads else None
+        return {"signal": self.signal, "dropped_runs": self.dropped_runs, "warned": self.warned,
+                "median_lead_steps": lead, "leads": list(self.leads), "held_runs": self.held_runs,
+                "false_alarms": self.false_alarms}  # fmt: skip
+
+
+def floors(runs: Iterable[RunSignals]) -> dict[str, float]:
+    """Per signal, ``FLOOR_SHARE`` x the median over runs of the signal's largest value."""
+    peaks: dict[str, list[float]] = {}
+    for run in runs:
+        for name, series in run.series.items():
+            if series:
+                peaks.setdefault(name, []).append(max(v for _, v in series))
+    return {name: FLOOR_SHARE * statistics.median(vals) for name, vals in peaks.items()}
+
+
+def score_signals(runs: Sequence[RunSignals]) -> list[SignalScore]:
+    """One :class:`SignalScore` per signal of :data:`SIGNALS` that some run logs."""
+    floor = floors(runs)
+    out = []
+    for name, (_, two_sided) in SIGNALS.items():
+        logged = [r for r in runs if r.series.get(name)]
+        if not logged:
+            continue
+        dropped = [r for r in logged if r.drop is not None]
+        held = [r for r in logged if r.drop is None]
+        leads = []
+        for r in dropped:
+            a = alarm_step(r.series[name], floor[name], two_sided)
+            if a is not None and a <= r.drop:
+                leads.append(r.drop - a)
+        false_alarms = sum(alarm_step(r.series[name], floor[name], two_sided) is not None for r in held)
+        out.append(SignalScore(name, len(dropped), len(leads), tuple(leads), len(held), false_alarms))
+    return out
+
+
+def markdown(scores: Sequence[SignalScore]) -> str:
+    """The warning table of docs/results.md."""
+    lines = ["| signal | warned / dropped runs | median lead (steps) | false alarms / runs that held |",
+             "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    for s in scores:
+        d = s.as_dict()
+        lead = "-" if d["median_lead_steps"] is None else f"{d['median_lead_steps']:g}"
+        lines.append(f"| {s.signal} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
+    return "\n".join(lines) + "\n"
