@@ -20,6 +20,9 @@ Selected with ``trainer.v1.trainer_mode=sorl_sync`` (or ``sorl_colocate_async``,
 verl enables the critic by itself only for ``gae``; ``so_ppo`` needs ``critic.enable=True``
 and these trainers refuse to start without it.
 
+They carry the collapse guard (:mod:`sorl_verl.trainer.guard`, ``sorl.guard.enable=true``: keep the
+best validation checkpoint, restore it and back off on a collapse).
+
 They also make a run reproducible from its seed (:class:`~sorl_verl.trainer.reproducible.ReproducibleRollouts`):
 prompts get ordered, stable uids instead of random ones, and a sampled batch's rows are trained
 in prompt dispatch order rather than in the order their episodes finished.
@@ -38,6 +41,7 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from sorl_verl.agent.metrics import EPISODE_METRICS, episode_metrics
+from sorl_verl.trainer.guard import CollapseGuard
 from sorl_verl.trainer.reproducible import ReproducibleRollouts
 from sorl_verl.trainer.values_context import provide_values
 
@@ -128,19 +132,19 @@ class SORLValuesHook:
         metrics.update(fetch_episode_metrics(list(batch.keys), batch.partition_id, list(batch.tags)))
 
 
-class SORLTrainerSync(SORLValuesHook, ReproducibleRollouts, PPOTrainerSync):
+class SORLTrainerSync(SORLValuesHook, CollapseGuard, ReproducibleRollouts, PPOTrainerSync):
     """verl's ``sync`` trainer with the so_ppo critic-value hook (``trainer_mode=sorl_sync``)."""
 
     base_trainer_mode = "sync"
 
 
-class SORLTrainerColocateAsync(SORLValuesHook, ReproducibleRollouts, PPOTrainerColocateAsync):
+class SORLTrainerColocateAsync(SORLValuesHook, CollapseGuard, ReproducibleRollouts, PPOTrainerColocateAsync):
     """verl's ``colocate_async`` trainer with the hook (``trainer_mode=sorl_colocate_async``)."""
 
     base_trainer_mode = "colocate_async"
 
 
-class SORLTrainerSeparateAsync(SORLValuesHook, ReproducibleRollouts, PPOTrainerSeparateAsync):
+class SORLTrainerSeparateAsync(SORLValuesHook, CollapseGuard, ReproducibleRollouts, PPOTrainerSeparateAsync):
     """verl's ``separate_async`` trainer with the hook (``trainer_mode=sorl_separate_async``)."""
 
     base_trainer_mode = "separate_async"
