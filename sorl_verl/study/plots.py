@@ -18,6 +18,9 @@ from typing import Any
 
 from sorl_verl.study.metrics import Trace
 
+#: resolution of the PNGs (3 panels a row: 1200 px wide); the committed figures are regenerated at it
+DPI = 80
+
 #: (title, training metric keys (the first a run logged) or () for the validation score, log scale)
 PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("validation score (mean over splits)", (), False),
@@ -127,7 +130,7 @@ def plot_regime(
     )
     fig.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
