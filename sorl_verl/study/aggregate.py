@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from sorl_verl.study.collapse import CRITERION, FRACTION, judge
+from sorl_verl.study.grid import DEFAULT_WARMSTART
+from sorl_verl.study.measures import measures
 from sorl_verl.study.metrics import Trace, read_trace
+from sorl_verl.study.report import episodes_per_step
 from sorl_verl.study.runner import METRICS, RECORD, read_record
 
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
@@ -68,14 +71,24 @@ def finite_or_none(obj: Any) -> Any:
     return obj
 
 
+def _config_dir(cell: dict[str, Any]) -> Path | None:
+    """The ``--config-path`` the cell's main_ppo command ran with (None when not recorded)."""
+    cmd = cell.get("command") or []
+    return Path(cmd[cmd.index("--config-path") + 1]) if "--config-path" in cmd[:-1] else None
+
+
 def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
-    """One run of stability.json from its ``cell.json`` and its metrics (NaN/inf as null)."""
+    """One run of stability.json from its ``cell.json`` and its metrics (NaN/inf as null), with the
+    learning measures of :mod:`sorl_verl.study.measures`."""
     verdict = judge(trace.val_scores, trace.first_nonfinite(), cell.get("exit_code"), trace.last_step)
     vals = trace.val_scores
     finite = [s for _, s in vals if math.isfinite(s)]
     scales = update_scales(trace)
+    learned = measures(vals, episodes_per_step(cell.get("overrides", {}), _config_dir(cell)))
     return finite_or_none(
         {
+            **learned.as_dict(),
+            "warmstart": cell.get("warmstart", DEFAULT_WARMSTART),
             "algorithm": cell["algorithm"],
             "regime": cell["regime"],
             "seed": cell["seed"],

@@ -1,0 +1,76 @@
+"""The learning study's headline table: per regime and algorithm, the measures a user cares about.
+
+Reads the run records of ``stability.json`` (:func:`sorl_verl.study.aggregate.run_record`, which
+carries the :mod:`~sorl_verl.study.measures` of each run) and writes one row per regime x
+algorithm: seeds, final and peak validation gain over step 0 (mean ± sd over seeds, sd with n - 1),
+collapsed k/n (:mod:`~sorl_verl.study.collapse`), gained-then-lost k/n
+(:data:`~sorl_verl.study.measures.LOST_GAIN_RULE`), mean gain over the run (area under the
+validation curve), gain per 1,000 training episodes, wall time per run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def episodes_per_step(overrides: Mapping[str, Any], config_dir: Path | None) -> int | None:
+    """``data.train_batch_size * actor_rollout_ref.rollout.n`` of a cell: its overrides first, then
+    the CPU platform overlay (``<config_dir>/platform/cpu.yaml``) the cell ran on."""
+    keys = ("data.train_batch_size", "actor_rollout_ref.rollout.n")
+    values: dict[str, Any] = {k: overrides[k] for k in keys if k in overrides}
+    if len(values) < 2 and config_dir is not None and (config_dir / "platform" / "cpu.yaml").is_file():
+        overlay = yaml.safe_load((config_dir / "platform" / "cpu.yaml").read_text()) or {}
+        for k in keys:
+            node: Any = overlay
+            for part in k.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            values.setdefault(k, node)
+    try:
+        return int(values[keys[0]]) * int(values[keys[1]])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _spread(values: Sequence[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:+.{digits}f}"
+    return f"{statistics.mean(values):+.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one row per regime x algorithm over the judged runs (unjudged ones counted apart)."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["regime"], r["algorithm"])].append(r)
+    lines = [
+        "| regime | algorithm | seeds | final gain | peak gain | collapsed | gained, then lost | mean gain (AUC) "
+        "| gain / 1k episodes | wall s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (regime, algorithm), rs in sorted(groups.items()):
+        judged = [r for r in rs if r.get("judged") and r.get("gain") is not None]
+
+        def vals(key: str, judged: list[Mapping[str, Any]] = judged) -> list[float]:
+            return [r[key] for r in judged if r.get(key) is not None]
+
+        walls = [r["wall_s"] for r in rs if r.get("wall_s") is not None]
+        seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
+        unjudged = len(rs) - len(judged)
+        per_k = vals("gain_per_1k_episodes")
+        wall = f"{statistics.mean(walls):.0f}" if walls else "-"
+        lines.append(
+            f"| {regime} | {algorithm} | {seeds}{f' ({unjudged} not judged)' if unjudged else ''} "
+            f"| {_spread(vals('gain'))} | {_spread(vals('peak_gain'))} "
+            f"| {sum(bool(r['collapsed']) for r in judged)}/{len(judged)} "
+            f"| {sum(bool(r.get('lost_gain')) for r in judged)}/{len(judged)} "
+            f"| {_spread(vals('auc_gain'))} | {_spread(per_k, 4)} | {wall} |"
+        )
+    return "\n".join(lines) + "\n"
