@@ -96,11 +96,15 @@ def _register_optimizer() -> dict[str, list[str]]:
     """The update-scaled optimizers verl builds from ``optim.optimizer_impl`` + ``optim.optimizer``.
 
     verl has no optimizer registry: its ``build_optimizer`` imports the module and takes the class
-    by name, so nothing is written into verl here; the names are listed for the doctor.
+    by name, so nothing is written into verl here; the names are listed for the doctor. Also
+    torch's global optimizer-step hooks that give verl's own optimizers the same update-scaled
+    step (``optim.install_step_hooks``: ``loss_mode=so_grpo`` on verl's stock config).
     """
     from sorl_verl.algorithms import optim
 
-    return {"optimizer": [f"{optim.__name__}.{name}" for name in ("AdamW", "Adam", "SGD")]}
+    optim.install_step_hooks()
+    return {"optimizer": [f"{optim.__name__}.{name}" for name in ("AdamW", "Adam", "SGD")],
+            "optimizer_step_hooks": [f"{optim.__name__}.install_step_hooks"]}  # fmt: skip
 
 
 # --- trainers: the hook that hands critic values to the turn-level GAE ------------------

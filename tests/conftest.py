@@ -83,6 +83,22 @@ class Fp32Bounds:
         return 2 * logit_error / temperature + cls.between(1.0, config.vocab_size)
 
 
+@pytest.fixture(autouse=True)
+def _no_stale_normalizer_records():
+    """Each test starts with an empty SORL step ledger: the plugin's global optimizer-step hooks
+    scale any torch optimizer's next step by what a SORL loss published (sorl_verl.algorithms.optim),
+    so a loss computed in one test must not shrink a step taken in another (e.g. a warm-start build)."""
+
+    def clear() -> None:
+        ledger = getattr(sys.modules.get("sorl_verl.algorithms.optim"), "LEDGER", None)
+        if ledger is not None:
+            ledger.clear()
+
+    clear()
+    yield
+    clear()  # also after it: a session fixture of the next test may step an optimizer before this runs
+
+
 @pytest.fixture(scope="session")
 def fp32() -> type[Fp32Bounds]:
     """Float32 rounding-error bounds (:class:`Fp32Bounds`) for derived tolerances."""

@@ -23,6 +23,16 @@ costs one copy of the local parameters) are set there.
 The ledger is per process: records made between ``zero_grad`` (verl calls it before the
 micro-batches of a mini-batch, and instead of ``step`` when the gradient is not finite) and
 ``step`` belong to that step.
+
+With verl's own optimizer (``optimizer_impl=torch.optim``, verl's stock ``ppo_trainer``): the
+plugin calls :func:`install_step_hooks`, torch's global optimizer-step pre/post hooks, which give
+every other torch optimizer of the process the same step - ``lr * s`` for that step, restored
+after it, nothing touched when ``s == 1`` or nothing was published - so one flag
+(``policy_loss.loss_mode=so_grpo``) works on verl's stock config. The hooks leave an
+:class:`UpdateScaledOptimizer` to its own ``step`` (no double scaling); they write no update log
+(that and ``update_norm`` are the SORL optimizer's). A stock optimizer's ``zero_grad`` does not
+clear the ledger: the micro-batches of a step verl skips for a non-finite gradient count towards
+the next step's ``s``.
 """
 
 from __future__ import annotations
@@ -32,15 +42,26 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from sorl_verl.algorithms.parallel import data_parallel_group
 
-__all__ = ["LEDGER", "Adam", "AdamW", "SGD", "UpdateLedger", "UpdateScaledOptimizer", "update_scaled"]
+__all__ = [
+    "LEDGER",
+    "Adam",
+    "AdamW",
+    "SGD",
+    "UpdateLedger",
+    "UpdateScaledOptimizer",
+    "install_step_hooks",
+    "update_scaled",
+]
 
 
 @dataclass
@@ -94,6 +115,12 @@ def _all_reduce_sum(values: list[float], params: list[torch.Tensor]) -> list[flo
     return t.tolist()
 
 
+def _step_factor(records: dict[str, list[float]], params: list[torch.Tensor]) -> float:
+    """``s = sum(1/Z_i) / count`` over this rank's micro-batches and the data-parallel group; 1 if none."""
+    total, count = _all_reduce_sum([math.fsum(records["inv_z"]), float(len(records["inv_z"]))], params)
+    return 1.0 if count == 0 else total / count
+
+
 class UpdateScaledOptimizer:
     """Mixin for a torch optimizer: ``step`` runs with ``lr * s``, ``s`` from :data:`LEDGER`."""
 
@@ -117,8 +144,7 @@ class UpdateScaledOptimizer:
 
     def step_factor(self, records: dict[str, list[float]]) -> float:
         """``s = sum(1/Z_i) / count`` over this rank's micro-batches and the data-parallel group; 1 if none."""
-        total, count = _all_reduce_sum([math.fsum(records["inv_z"]), float(len(records["inv_z"]))], self._params())
-        return 1.0 if count == 0 else total / count
+        return _step_factor(records, self._params())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -164,3 +190,70 @@ def update_scaled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimize
 AdamW = update_scaled(torch.optim.AdamW)
 Adam = update_scaled(torch.optim.Adam)
 SGD = update_scaled(torch.optim.SGD)
+
+
+# --- the same step for any torch optimizer: global step hooks ---------------------------------
+
+#: optimizer -> its learning rates saved by the pre-hook, restored by the post-hook
+_SAVED_LR: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = weakref.WeakKeyDictionary()
+_HOOK_HANDLES: list[Any] = []
+
+
+def _restore_lr(optimizer: torch.optim.Optimizer) -> None:
+    saved = _SAVED_LR.pop(optimizer, None)
+    if saved is not None:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+
+
+def _scale_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Pre-hook: take the ledger and run this step with ``lr * s`` (``s`` as in :class:`UpdateScaledOptimizer`).
+
+    Skipped for an :class:`UpdateScaledOptimizer` (it scales its own step) and when this rank
+    published nothing since the last step (an optimizer no SORL loss fed, e.g. the critic's: no
+    collective, no change). Every rank of an actor runs its loss with gradients before stepping,
+    so the data-parallel all-reduce is entered by all of them or by none.
+    """
+    if isinstance(optimizer, UpdateScaledOptimizer):
+        return
+    _restore_lr(optimizer)  # a previous step that raised left its scaled lr behind
+    records = LEDGER.take()
+    if not records["inv_z"]:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scale = _step_factor(records, params)
+    if scale == 1.0:
+        return
+    _SAVED_LR[optimizer] = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+
+
+def _restore_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Post-hook: the learning rates of before the step (a no-op unless the pre-hook scaled them)."""
+    _restore_lr(optimizer)
+
+
+def install_step_hooks() -> bool:
+    """Register the global step hooks once per process (the plugin does); True if this call registered them.
+
+    They count as a consumer of :data:`LEDGER`, so ``clip_norm_apply=update`` works with any torch
+    optimizer verl builds; :func:`uninstall_step_hooks` undoes it (tests).
+    """
+    if _HOOK_HANDLES:
+        return False
+    _HOOK_HANDLES.extend(
+        [register_optimizer_step_pre_hook(_scale_step), register_optimizer_step_post_hook(_restore_step)]
+    )
+    LEDGER.consumers += 1
+    return True
+
+
+def uninstall_step_hooks() -> None:
+    """Remove the hooks :func:`install_step_hooks` registered (and their consumer count)."""
+    if not _HOOK_HANDLES:
+        return
+    for handle in _HOOK_HANDLES:
+        handle.remove()
+    _HOOK_HANDLES.clear()
+    LEDGER.consumers -= 1
