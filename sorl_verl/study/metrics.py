@@ -1,6 +1,10 @@
-"""verl's metrics file (``trainer.logger=[..., file]``, ``$VERL_FILE_LOGGER_PATH``) as per-step series.
+"""verl's metrics file (``trainer.logger=[..., file]``, ``$VERL_FILE_LOGGER_PATH``): the project's one reader.
 
-Each line is ``{"step": N, "data": {metric: value}}``. Training steps carry
+Each line is ``{"step": N, "data": {metric: value}}``; :func:`read_records` / :func:`records`
+yield ``(step, data)`` per line and :func:`parse_val_key` splits a validation key
+``val-<core|aux>/<data_source>/<var>/mean@<n>``. The study reads a file into a :class:`Trace`
+(:func:`read_trace`); ``sorl-verl eval`` and ``sorl-verl plot`` read the same lines through
+:func:`read_records`. Training steps carry
 ``training/global_step``; validations (before training and every ``trainer.test_freq`` steps)
 carry ``val-core/<data_source>/<var>/mean@<n>`` (verl's core validation metric: ``<var>`` is
 ``acc`` when the reward function returns one, else ``reward``, the project's score: 1 for a
@@ -16,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +29,7 @@ TASK_SOURCES = {
     "search_qa": re.compile(r"^synthetic_\d+hop$"),
     "medical_mcq": re.compile(r"^synthetic_med_[a-z][a-z_]*$"),
 }
-_VAL_CORE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
+_VAL_KEY = re.compile(r"^val-(?P<kind>core|aux)/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
 #: training metrics whose non-finite value means the run diverged (see collapse.py)
 _DIVERGENCE = re.compile(r"^(actor|critic)/(.*loss.*|grad_norm)$")
 
@@ -38,17 +42,62 @@ def _number(value: object) -> float | None:
     return None
 
 
+@dataclass(frozen=True)
+class ValKey:
+    """The parts of a validation key ``val-<kind>/<source>/<var>/mean@<n>``."""
+
+    kind: str  #: ``core`` (verl's core metric) or ``aux``
+    source: str  #: the data source (may itself contain ``/``)
+    var: str  #: the reward function's variable: ``reward``, ``acc``, ``em``, ``f1``, ...
+    n: int  #: samples per prompt the mean is over
+
+
+def parse_val_key(key: str) -> ValKey | None:
+    """:class:`ValKey` of a validation mean ``val-<core|aux>/<source>/<var>/mean@<n>``, else None."""
+    m = _VAL_KEY.match(key)
+    return None if m is None else ValKey(m["kind"], m["source"], m["var"], int(m["n"]))
+
+
+def records(lines: Iterable[str], name: str = "<metrics>", strict: bool = False) -> Iterator[tuple[int, dict]]:
+    """``(step, data)`` of each ``{"step": N, "data": {...}}`` line, in order.
+
+    Blank lines, JSON that is not such an object, and a step that is not an integer are skipped.
+    A line that is not JSON is skipped too (a run still writing leaves a partial last line), or,
+    with ``strict``, raises ``ValueError("<name>:<line>: not JSON (...)")``.
+    """
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if strict:
+                raise ValueError(f"{name}:{line_no}: not JSON ({exc.msg})") from None
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
+            continue
+        step = record.get("step", 0)
+        if isinstance(step, int) and not isinstance(step, bool):
+            yield step, record["data"]
+
+
+def read_records(path: str | Path, strict: bool = False) -> Iterator[tuple[int, dict]]:
+    """:func:`records` of a metrics file (undecodable bytes replaced)."""
+    p = Path(path)
+    with p.open(errors="replace") as fh:
+        yield from records(fh, str(p), strict)
+
+
 def validation_by_source(data: Mapping[str, object]) -> dict[str, float]:
     """data_source -> verl's core validation mean (largest ``@n`` when several) from one record."""
     best: dict[str, tuple[int, float]] = {}
     for key, value in data.items():
-        m = _VAL_CORE.match(key)
+        k = parse_val_key(key)
         x = _number(value)
-        if m is None or x is None:
+        if k is None or k.kind != "core" or x is None:
             continue
-        n = int(m.group("n"))
-        if m.group("source") not in best or n > best[m.group("source")][0]:
-            best[m.group("source")] = (n, x)
+        if k.source not in best or k.n > best[k.source][0]:
+            best[k.source] = (k.n, x)
     return {source: x for source, (_, x) in sorted(best.items())}
 
 
@@ -98,16 +147,7 @@ class Trace:
 def parse_records(lines: list[str]) -> Trace:
     """A :class:`Trace` from metrics-file lines; a partly written or foreign line is skipped."""
     trace = Trace()
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("data"), dict):
-            continue
-        data, step = record["data"], record.get("step", 0)
-        if not isinstance(step, int):
-            continue
+    for step, data in records(lines):
         by_source = validation_by_source(data)
         if by_source:
             trace.validations.append((step, by_source))

@@ -30,7 +30,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import sys
 import urllib.error
 import urllib.request
@@ -45,6 +44,7 @@ from sorl_verl.agent.prompts import information_block
 from sorl_verl.agent.settings import DEFAULT_RETRIEVAL_URL, URL_ENV
 from sorl_verl.retrieval.client import failure_text, format_documents
 from sorl_verl.rewards.score import compute_score
+from sorl_verl.study.metrics import parse_val_key, read_records
 
 METRICS = ("em", "f1", "substring_em")
 #: the QA and medical test sets in the order papers report them; others follow alphabetically
@@ -192,9 +192,6 @@ def read_generations(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-_VAL_KEY = re.compile(r"^val-(?:core|aux)/(?P<source>[^/]+)/(?P<metric>[^/]+)/mean@(?P<n>\d+)$")
-
-
 def metrics_files(path: str | Path) -> list[Path]:
     """A metrics file, or the ``metrics*.jsonl`` of a run directory in launch order (the run scripts
     give every launch its own file, named by launch time, because verl's file logger truncates)."""
@@ -214,21 +211,14 @@ def read_val_steps(path: str | Path) -> dict[int, list[dict[str, Any]]]:
     order; a step validated again, e.g. on resume, keeps its latest values)."""
     per_step: dict[int, dict[str, dict[str, float]]] = {}
     for file in metrics_files(path):
-        with file.open() as fh:
-            for line_no, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{file}:{line_no}: not JSON ({exc.msg})") from None
-                values: dict[str, dict[str, float]] = defaultdict(dict)
-                for key, value in record.get("data", {}).items():
-                    match = _VAL_KEY.match(key)
-                    if match and match["metric"] in METRICS:
-                        values[match["source"]][match["metric"]] = float(value)
-                if values:
-                    per_step[int(record["step"])] = dict(values)
+        for step, data in read_records(file, strict=True):
+            values: dict[str, dict[str, float]] = defaultdict(dict)
+            for key, value in data.items():
+                val = parse_val_key(key)
+                if val is not None and val.var in METRICS:
+                    values[val.source][val.var] = float(value)
+            if values:
+                per_step[step] = dict(values)
     if not per_step:
         raise ValueError(
             f"{path}: no val-aux <source>/<metric>/mean@N metrics (run verl validation with the file logger)"

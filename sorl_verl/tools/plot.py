@@ -34,7 +34,6 @@ plotting area so it never covers data. Writes a PNG and, with
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -42,6 +41,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sorl_verl.study.metrics import read_records
 
 #: step -> value, per metric key
 Series = dict[str, dict[int, float]]
@@ -102,20 +103,13 @@ def _as_float(value: object) -> float | None:
 
 
 def read_jsonl(path: Path, run: Run) -> None:
-    """verl ``file`` logger: one ``{"step": N, "data": {...}}`` object per line."""
-    with path.open() as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            record = json.loads(line)
-            step, data = record.get("step"), record.get("data")
-            if step is None or not isinstance(data, dict):
-                continue
-            for key, value in data.items():
-                number = _as_float(value)
-                if number is not None:
-                    run.add(step, key, number)
+    """verl ``file`` logger: one ``{"step": N, "data": {...}}`` object per line (read by
+    :func:`sorl_verl.study.metrics.read_records`; a line that is not JSON fails naming it)."""
+    for step, data in read_records(path, strict=True):
+        for key, value in data.items():
+            number = _as_float(value)
+            if number is not None:
+                run.add(step, key, number)
 
 
 def read_console_log(path: Path, run: Run) -> None:
