@@ -25,7 +25,9 @@ collapse.
 verl prefixes the loss's own metrics with ``actor/``, so the SORL metrics arrive as
 ``actor/sorl/<name>``; the panels also accept the bare ``sorl/<name>``.
 
-Each panel is one metric (the first of its candidate keys that a run logged); a run that never
+Each panel is one metric (the first of its candidate keys that a run logged); the per-split
+validation panel draws each data source of that metric as its own line (colour per split, line
+style per run, its legend beside the panel); a run that never
 logged a panel's metric is named under the panel's title ("not logged: ..."), outside the
 plotting area so it never covers data. Writes a PNG and, with
 ``--csv``, the merged series as a long CSV (run, step, metric, value).
@@ -42,7 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sorl_verl.study.metrics import read_records
+from sorl_verl.study.metrics import parse_val_key, read_records
 
 #: step -> value, per metric key
 Series = dict[str, dict[int, float]]
@@ -55,6 +57,8 @@ class Panel:
     title: str
     keys: tuple[str, ...]
     log_y: bool = False
+    #: one line per matched key (e.g. per validation split) instead of their mean
+    per_key: bool = False
 
     @property
     def validation(self) -> bool:
@@ -74,6 +78,11 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     Panel("sorl/norm_factor  Z", ("actor/sorl/norm_factor", "sorl/norm_factor")),
     Panel("gradient norm", ("actor/grad_norm",), log_y=True),
     Panel("entropy", ("actor/entropy",)),
+    Panel(
+        "validation EM per split",
+        ("val-aux/*/em/mean@*", "val-core/*/acc/mean@*", "val-core/*/reward/mean@*"),
+        per_key=True,
+    ),
 )
 
 _CONSOLE_STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
@@ -197,6 +206,44 @@ def panel_series(run: Run, panel: Panel) -> tuple[str, dict[int, float]] | None:
     return None
 
 
+def panel_key_series(run: Run, panel: Panel) -> list[tuple[str, dict[int, float]]]:
+    """Every key of the first candidate pattern the run logged, each with its own series
+    (a ``per_key`` panel: e.g. one validation split per key)."""
+    for pattern in panel.keys:
+        hits = sorted(k for k in run.series if _matches(pattern, k))
+        if hits:
+            return [(key, dict(run.series[key])) for key in hits]
+    return []
+
+
+def split_label(key: str) -> str:
+    """The data source of a validation key (``val-core/<source>/<var>/mean@N``), else the key."""
+    parsed = parse_val_key(key)
+    return parsed.source if parsed else key
+
+
+def _draw_per_key(ax, runs: list[Run], panel: Panel, colours: list[str]) -> list[str]:
+    """Lines of a ``per_key`` panel, its legend outside the plotting area; returns runs that logged none."""
+    missing, handles, names, splits = [], [], [], []
+    for i, run in enumerate(runs):
+        found = panel_key_series(run, panel)
+        if not found:
+            missing.append(run.label)
+        for key, series in found:
+            split = split_label(key)
+            if split not in splits:
+                splits.append(split)
+            steps = sorted(series)
+            (line,) = ax.plot(steps, [series[s] for s in steps], linewidth=1.6, alpha=0.9, marker="o", markersize=3.5,
+                              color=colours[splits.index(split) % len(colours)],
+                              linestyle=("-", "--", "-.", ":")[i % 4], label="_" + split)  # fmt: skip
+            handles.append(line)
+            names.append(split if len(runs) == 1 else f"{run.label}: {split}")
+    if handles:  # "_" labels keep these lines out of the figure's run legend
+        ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    return missing
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average over ``window`` points (``window`` <= 1: unchanged)."""
     if window <= 1:
@@ -226,8 +273,8 @@ def draw_runs(runs: list[Run], panels: Iterable[Panel] = DEFAULT_PANELS, window:
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes.flat, panels, strict=False):
-        missing = []
-        for i, run in enumerate(runs):
+        missing = _draw_per_key(ax, runs, panel, colours) if panel.per_key else []
+        for i, run in enumerate(runs if not panel.per_key else []):
             found = panel_series(run, panel)
             if found is None:
                 missing.append(run.label)
