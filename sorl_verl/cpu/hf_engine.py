@@ -166,12 +166,13 @@ class _Batch:
         )
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep rows ``index``; drop cache columns that are padding for every kept row."""
-        self.cache.reorder_cache(index)
+        """Keep rows ``index`` (a CPU tensor); drop cache columns that are padding for every kept row."""
+        on_device = index.to(self.attention_mask.device)  # the same tensor on CPU
+        self.cache.reorder_cache(on_device)
         self.rows = [self.rows[int(i)] for i in index]
         self.attention_mask, self.next_pos, self.logits = (
-            self.attention_mask[index],
-            self.next_pos[index],
+            self.attention_mask[on_device],
+            self.next_pos[on_device],
             self.logits[index],
         )
         lead = int(self.attention_mask.any(dim=0).int().argmax())
@@ -216,6 +217,9 @@ class HFGenerationEngine:
         max_batch_size: most rows decoded together.
         batch_wait_s: after the first queued request, wait this long for others to join its batch.
         seed: base of the per-request seeds of requests that carry none.
+        device: where the model runs (``cpu``, ``cuda``, ``cuda:1``); sampling and log-probs are
+            computed on the CPU from the last position's logits either way (per-request CPU
+            generators), so a row's tokens depend on the device only through the forward pass.
     """
 
     def __init__(
@@ -230,10 +234,12 @@ class HFGenerationEngine:
         logprobs_mode: str = "processed_logprobs",
         seed: int = 0,
         pad_token_id: int = 0,
+        device: str | torch.device = "cpu",
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        self.model = model.eval()
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()  # a no-op for a model already there
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = int(max_model_len)
@@ -271,7 +277,8 @@ class HFGenerationEngine:
         trust_remote_code: bool = False,
         **engine_kwargs: Any,
     ) -> HFGenerationEngine:
-        """Load ``path`` (weights, or only its config when ``random_init``) and its tokenizer."""
+        """Load ``path`` (weights, or only its config when ``random_init``) and its tokenizer; the
+        model moves to ``engine_kwargs["device"]`` (default ``cpu``)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -475,7 +482,7 @@ class HFGenerationEngine:
                     [batch.attention_mask, batch.attention_mask.new_ones((len(batch.rows), 1))], dim=1
                 )
                 batch.logits = self._forward(
-                    tokens[:, None], batch.attention_mask, batch.next_pos[:, None], batch.cache
+                    tokens[:, None].to(self.device), batch.attention_mask, batch.next_pos[:, None], batch.cache
                 )
                 batch.next_pos = batch.next_pos + 1
 
@@ -489,6 +496,7 @@ class HFGenerationEngine:
             n = len(request.prompt_ids)
             input_ids[i, width - n :] = torch.tensor(request.prompt_ids, dtype=torch.long)
             attention_mask[i, width - n :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)  # no-ops on CPU
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
@@ -503,7 +511,7 @@ class HFGenerationEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :].float()
+        return out.logits[:, -1, :].float().to("cpu")  # sampled on the CPU; a no-op there
 
     def _finish_reason(self, request: _Request) -> str | None:
         options, token = request.options, request.token_ids[-1]

@@ -25,7 +25,10 @@ Budget per request as vLLM's server: ``max_tokens`` (or ``max_new_tokens``) if g
 ``[1, max_model_len - len(prompt)]`` (``max_model_len`` defaults to the model's
 ``max_position_embeddings``).
 
-Engine options: ``actor_rollout_ref.rollout.engine_kwargs.hf.{num_threads,max_batch_size,batch_wait_s}``.
+Engine options: ``actor_rollout_ref.rollout.engine_kwargs.hf.{num_threads,max_batch_size,batch_wait_s,device}``.
+``device`` (default ``cpu``) is where the model's forward passes run: ``cuda`` puts the replica's
+model on the GPU of the replica's first trainer worker (the server actor then keeps that GPU
+visible, as verl's vLLM servers do); sampling stays on the CPU (:class:`HFGenerationEngine`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,14 @@ def _hf_engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def engine_device(config: RolloutConfig) -> str:
+    """``engine_kwargs.hf.device``: ``cpu`` (default) or a CUDA device; anything else raises, naming it."""
+    device = str(_hf_engine_kwargs(config).get("device") or "cpu")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.hf.device must be cpu or cuda[:N], got {device!r}")
+    return device
+
+
 class HFServer:
     """Ray actor body serving one replica with an :class:`HFGenerationEngine` (see module docstring)."""
 
@@ -79,7 +90,10 @@ class HFServer:
         node_rank: int = 0,
         gpus_per_node: int = 1,
         nnodes: int = 1,
+        cuda_visible_devices: str | None = None,
     ) -> None:
+        if cuda_visible_devices is not None:  # before this process touches CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self.config: RolloutConfig = omega_conf_to_dataclass(config)
         self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.rollout_mode = rollout_mode
@@ -93,6 +107,7 @@ class HFServer:
         # 1 thread by default: tiny models gain little from more, and on a busy machine torch's
         # spinning OpenMP threads slow decoding down by an order of magnitude or more
         self.num_threads = int(kwargs.get("num_threads") or 1)
+        self.device = engine_device(self.config)
         self._address = f"{ray.util.get_node_ip_address().strip('[]')}:hf-{replica_rank}-{node_rank}"
 
     def _resolve_max_model_len(self) -> int:
@@ -109,6 +124,11 @@ class HFServer:
         if self.engine is not None:
             return
         torch.set_num_threads(self.num_threads)
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise RuntimeError(
+                f"hf rollout: engine_kwargs.hf.device={self.device!r} but this server process sees no CUDA device "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
         if self.config.dtype not in ("float32", "fp32"):
             logger.warning(
                 "hf rollout runs in %s (verl's default rollout.dtype): its log-probs will differ from an fp32 "
@@ -131,13 +151,15 @@ class HFServer:
             batch_wait_s=float(kwargs.get("batch_wait_s", 0.005)),
             logprobs_mode=self.config.logprobs_mode or "processed_logprobs",
             seed=self.config.seed + self.replica_rank,
+            device=self.device,
         )
         # verl's view of the generation config counts too (vLLM merges its eos ids the same way)
         self.engine.eos_token_ids = frozenset(self.engine.eos_token_ids | default_eos_token_ids(mc.generation_config))
         logger.info(
-            "hf rollout server %s: model %s, dtype %s, %d threads, max_model_len %d",
+            "hf rollout server %s: model %s on %s, dtype %s, %d threads, max_model_len %d",
             self._address,
             path,
+            self.device,
             self.config.dtype,
             self.num_threads,
             self.max_model_len,
@@ -290,6 +312,18 @@ class HFReplica(RolloutReplica):
             node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
         else:
             node_id = ray.get_runtime_context().get_node_id()
+        options: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if engine_device(self.config) != "cpu":
+            # the server takes no GPU slot, so Ray would hide every GPU from it: keep the first
+            # trainer worker's GPU visible instead (verl's vLLM replica does the same)
+            if not self.workers:
+                raise ValueError("engine_kwargs.hf.device=cuda needs trainer workers to take a GPU from")
+            gpu = await self.workers[0].__ray_call__.remote(
+                lambda self: ray.get_runtime_context().get_accelerator_ids()["GPU"][0]
+            )
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+            extra["cuda_visible_devices"] = str(gpu)
         server = self.server_class.options(
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
@@ -297,7 +331,9 @@ class HFReplica(RolloutReplica):
             name=server_actor_name(self.replica_rank, 0, self._kind(), self.name_suffix),
             max_concurrency=self.max_concurrency,
             num_cpus=0,
+            **options,
         ).remote(
+            **extra,
             config=self.config,
             model_config=self.model_config,
             rollout_mode=self.rollout_mode,
