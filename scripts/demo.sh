@@ -16,10 +16,13 @@
 # docs/embedded-default.md; docs/results.md has every run. Starts the retrieval
 # server on a free loopback port, runs `python -m verl.trainer.main_ppo` with
 # recipe/sorl/config/sorl_trainer.yaml + task/search_qa.yaml + platform/cpu.yaml, shows one progress
-# line per step, stops the server, and prints a summary table read from verl's metrics file.
+# line per step, stops the server, and prints a summary table read from verl's metrics file; the
+# table (summary.txt, summary.json) and a plot (curves.png, validation per split) stay in the run
+# directory, $SORL_HOME/runs/<algo>-<task>-<warmstart>-<YYYYmmdd-HHMMSS>/.
 #   so_grpo  SO-GRPO (default)            so_ppo  SO-PPO, critic on, turn-level GAE
 #   grpo     verl GRPO + vanilla loss     ppo     verl GAE + vanilla loss, critic on
-# Environment: SORL_HOME (data/cache root, default .sorl_cache), SORL_RUN_DIR (run outputs).
+# Environment: SORL_HOME (data/cache root, default ~/.cache/sorl_verl, as for every sorl-verl
+# command), SORL_RUN_DIR (run outputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -40,7 +43,7 @@ while [ $# -gt 0 ]; do
     --warmstart) WARMSTART=$2; shift 2 ;;
     --warmstart=*) WARMSTART=${1#*=}; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -71,12 +74,21 @@ T0=$(date +%s)
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-export SORL_HOME=${SORL_HOME:-$ROOT/.sorl_cache}
+# the one cache of the project (sorl_verl.paths.data_home): $SORL_HOME, else ~/.cache/sorl_verl
+SORL_HOME=$(python -c 'from sorl_verl.paths import data_home; print(data_home())')
+export SORL_HOME
 export VERL_PLATFORM=cpu TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# TransferQueue asks torch for 8 threads (TQ_NUM_THREADS) and warns on every transfer when the machine
+# has fewer physical cores, then uses them all: ask for what it would use anyway, without the warning
+TQ_NUM_THREADS=${TQ_NUM_THREADS:-$(python -c 'import psutil; print(min(8, psutil.cpu_count(logical=False) or 1))')}
+export TQ_NUM_THREADS
+# progress bars only on a terminal: the build's when stderr is one, never in train.log (a file)
+QUIET=()
+[ -t 2 ] || QUIET=(--quiet)
 
 echo "[demo] embedded default of task $TASK, warm-start $WARMSTART, under $SORL_HOME (built on first use)"
 # build progress goes to stderr; only TRAIN/VAL/INDEX/MODEL/TASK_OVERLAY reach the eval
-PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART")  # a failed build stops here (set -e)
+PATHS=$(python -m sorl_verl.embedded.demo_paths "$TASK" --warmstart "$WARMSTART" "${QUIET[@]}")  # a failed build stops here (set -e)
 eval "$PATHS"
 # TRAIN of the QA early-stop warm-starts is their 1- and 2-hop questions (demo_paths.train_files)
 RECIPE_ARGS=()
@@ -108,7 +120,7 @@ URL=http://127.0.0.1:$(cat "$PORT_FILE")/retrieve
 echo "[demo] retrieval server $URL (pid $SERVER_PID)"
 
 echo "[demo] verl main_ppo: algo=$ALGO steps=$STEPS; full log $LOG"
-VERL_FILE_LOGGER_PATH=$METRICS python -m verl.trainer.main_ppo \
+VERL_FILE_LOGGER_PATH=$METRICS TQDM_DISABLE=1 python -m verl.trainer.main_ppo \
   --config-path "$ROOT/recipe/sorl/config" --config-name sorl_trainer +task="$TASK_OVERLAY" +platform=cpu "${RECIPE_ARGS[@]}" \
   data.train_files="$TRAIN" data.val_files="$VAL" \
   actor_rollout_ref.model.path="$MODEL" \
@@ -125,15 +137,30 @@ wait "$TRAIN_PID"
 RC=$?
 set -e
 TRAIN_PID=
+# error_lines: the exceptions as Python printed them in the log (colour codes removed), without
+# Ray's wrapper lines (ray.exceptions.RayTaskError(...): ray::TaskRunnerV1.run() (pid=...))
+error_lines() {
+  sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" |
+    grep -E '^[[:space:]]*([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception): ' |
+    grep -v -E '^[[:space:]]*ray\.exceptions\.' | sed 's/^[[:space:]]*//' || true
+}
 if [ "$RC" -ne 0 ]; then
   echo "[demo] main_ppo exited with $RC; last lines of $LOG:" >&2
-  grep -v "^\s*$" "$LOG" | tail -n 30 >&2
+  sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | grep -v "^\s*$" | tail -n 30 >&2
   # the cause a user needs is often far above the tail (verl logs failed agent loops and goes on)
-  CAUSE=$(grep -m 1 -E "RetrievalUnavailableError|RetrievalError" "$LOG" || true)
-  [ -n "$CAUSE" ] && echo "[demo] retrieval failed: $CAUSE" >&2
+  CAUSE=$(error_lines | grep -m 1 -E "RetrievalUnavailableError|RetrievalError" || true)
+  if [ -n "$CAUSE" ]; then
+    echo "[demo] retrieval failed: $CAUSE" >&2
+  else
+    CAUSE=$(error_lines | tail -n 1)
+    [ -n "$CAUSE" ] && echo "[demo] failed: $CAUSE" >&2
+  fi
 fi
 cleanup
 trap - EXIT INT TERM
-python scripts/demo_summary.py summary "$METRICS" --log "$LOG" --ckpt "$CKPT" --updates "$CKPT/sorl_updates.jsonl" || true
+if [ -s "$METRICS" ] || [ "$RC" -eq 0 ]; then
+  python scripts/demo_summary.py summary "$METRICS" --log "$LOG" --ckpt "$CKPT" --updates "$CKPT/sorl_updates.jsonl" \
+    --out-dir "$RUN_DIR" --cli "$ROOT/.venv/bin/sorl-verl" || true
+fi
 echo "[demo] wall time $(( $(date +%s) - T0 )) s"
 exit "$RC"

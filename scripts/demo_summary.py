@@ -10,7 +10,12 @@ The actor's update log (``sorl_updates.jsonl``, one record per optimizer step: t
 per training step: the records written since the previous training step belong to it.
 
     python scripts/demo_summary.py follow METRICS.jsonl --pid PID [--steps N] [--updates U]  # a line per step
-    python scripts/demo_summary.py summary METRICS.jsonl [--log L] [--ckpt DIR] [--updates U]  # the table
+    python scripts/demo_summary.py summary METRICS.jsonl [--log L] [--ckpt DIR] [--updates U] [--out-dir RUN]
+
+The summary: training rows start at the first step with a non-zero update, validation has one row
+per split (start = the validation before training); with ``--out-dir`` it is kept as
+``summary.txt`` / ``summary.json`` with ``curves.png`` (``sorl-verl plot``'s panels, validation per
+split) beside them, and the ``sorl-verl plot`` / ``sorl-verl eval`` commands to use next are printed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from sorl_verl.study.metrics import parse_val_key
 
 #: pseudo-metric: mean parameter-update norm of a training step, from the update log
 UPDATE_NORM = "sorl/update_norm_mean"
@@ -74,6 +81,14 @@ def update_norms_per_step(updates: list[dict], steps: int) -> list[float | None]
     return [sum(norms[i * k : (i + 1) * k]) / k for i in range(steps)]
 
 
+#: printed under the table when the normalizer never acted (the sorl/ rows at 0 or 1)
+NEAR_ON_POLICY = (
+    "(sorl/ rows at 0 or 1: in this recipe the updates stay close to the policy that rolled out (turn\n"
+    " ratios ~1, almost nothing clipped), so the clipping-triggered normalization has nothing to act on\n"
+    " and SO-GRPO trains as Turn-PPO; off-policy behaviour is the stability study's: docs/results.md)"
+)
+
+
 def split_records(records: list[dict]) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
     """(training steps, validation entries), each as (step, metrics) in file order."""
     train, val = [], []
@@ -103,14 +118,27 @@ def window_mean(steps: list[tuple[int, dict]], key: str, first: bool, k: int) ->
     return sum(vals) / len(vals) if vals else None
 
 
-def em_keys(val: list[tuple[int, dict]]) -> list[str]:
-    """Validation accuracy keys: verl's ``val-core/<data_source>/<reward key>/mean@N`` (and aux em/acc)."""
-    keys: list[str] = []
+def split_keys(val: list[tuple[int, dict]]) -> dict[str, str]:
+    """One validation key per data source (split), sorted by source: verl's core metric
+    ``val-core/<source>/<var>/mean@N`` (the reward function's score); only when no core metric was
+    logged, the auxiliary ``em`` / ``acc`` / ``score`` mean of each source."""
+    found: dict[str, dict[str, str]] = {"core": {}, "aux": {}}
     for _, m in val:
         for k in m:
-            if k not in keys and ("/acc/" in k or "/em/" in k or "/score/" in k or "/reward/" in k) and "mean@" in k:
-                keys.append(k)
-    return sorted(keys)
+            parsed = parse_val_key(k)
+            if parsed is not None and (parsed.kind == "core" or parsed.var in ("em", "acc", "score")):
+                found[parsed.kind].setdefault(parsed.source, k)
+    return dict(sorted((found["core"] or found["aux"]).items()))
+
+
+def first_update_index(train: list[tuple[int, dict]]) -> int:
+    """Index of the first training step whose update was non-zero: by the update log's norm when it
+    is there, else by verl's ``actor/lr``; 0 when neither is logged (or none is non-zero)."""
+    for key in (UPDATE_NORM, "actor/lr"):
+        values = [_num(m.get(key)) for _, m in train]
+        if any(v is not None for v in values):
+            return next((i for i, v in enumerate(values) if v), 0)
+    return 0
 
 
 def fmt(x: float | None) -> str:
@@ -184,44 +212,137 @@ def mean_val_score(metrics: dict, keys: list[str]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def summary(path: str, log: str | None, ckpt: str | None, updates: str | None = None, k: int = 3) -> int:
-    records = read_records(path)
-    train, val = split_records(records)
+def build_summary(path: str, updates: str | None = None, k: int = 3) -> dict | None:
+    """The start/end table as data; None when no training step was logged.
+
+    Training rows: ``start`` = mean of the first ``k`` steps from the first step with a non-zero
+    update (:func:`first_update_index`), ``end`` = mean of the last ``k`` steps. Validation rows (one
+    per split, :func:`split_keys`): ``start`` = the first validation (step 0 when verl validates
+    before training), ``end`` = the last one; their mean over the splits and its gain.
+    """
+    train, val = split_records(read_records(path))
     if not train:
-        print(f"no training steps logged in {path}", file=sys.stderr)
-        return 1
+        return None
     if updates:
         norms = update_norms_per_step(read_records(updates), len(train))
         train = [(s, {**m, UPDATE_NORM: n} if n is not None else m) for (s, m), n in zip(train, norms, strict=True)]
     n = min(k, max(1, len(train) // 2))
-    w = 38
-    print()
-    print(f"{'metric':<{w}} {'start':>10} {'end':>10}   (mean of first/last {n} of {len(train)} steps)")
-    print("-" * (w + 24))
+    first = first_update_index(train)
+    head, tail = train[first : first + n], train[-n:]
+    rows = []
     for label, key in TRAIN_ROWS:
-        a, b = window_mean(train, key, True, n), window_mean(train, key, False, n)
-        if a is None and b is None:
-            continue
-        print(f"{label:<{w}} {fmt(a):>10} {fmt(b):>10}")
-    keys = em_keys(val)
+        a, b = window_mean(head, key, True, n), window_mean(tail, key, False, n)
+        if a is not None or b is not None:
+            rows.append({"metric": label, "key": key, "start": a, "end": b})
+    out: dict = {
+        "metrics_file": str(path),
+        "training_steps": len(train),
+        "start_steps": [head[0][0], head[-1][0]],
+        "end_steps": [tail[0][0], tail[-1][0]],
+        "train": rows,
+        "validation": None,
+    }
+    keys = split_keys(val)
     if keys:
-        print("-" * (w + 24))
-        print(f"validation (step {val[0][0]} -> step {val[-1][0]})")
-        for key in keys:
+        splits = []
+        for source, key in keys.items():
             a = next((_num(m[key]) for _, m in val if key in m), None)
             b = next((_num(m[key]) for _, m in reversed(val) if key in m), None)
-            print(f"{key.replace('val-core/', '').replace('val-aux/', ''):<{w}} {fmt(a):>10} {fmt(b):>10}")
-        core = [key for key in keys if key.startswith("val-core/")] or keys
-        first, last = mean_val_score(val[0][1], core), mean_val_score(val[-1][1], core)
-        print(f"{'mean over the ' + str(len(core)) + ' splits':<{w}} {fmt(first):>10} {fmt(last):>10}")
-        if first is not None and last is not None and len(val) > 1:
-            print(f"validation gain: {last - first:+.3f} (mean score over the splits, step {val[0][0]} -> {val[-1][0]})")
-    print("-" * (w + 24))
-    print(f"metrics (verl file logger): {path}")
+            splits.append({"split": source, "key": key, "start": a, "end": b})
+        start, end = mean_val_score(val[0][1], list(keys.values())), mean_val_score(val[-1][1], list(keys.values()))
+        out["validation"] = {
+            "start_step": val[0][0],
+            "end_step": val[-1][0],
+            "splits": splits,
+            "mean": {"start": start, "end": end},
+            "gain": end - start if start is not None and end is not None and len(val) > 1 else None,
+        }
+    return out
+
+
+def render(summary_data: dict) -> str:
+    """The table as text (what the demo prints and keeps as summary.txt)."""
+    w = 38
+    rule = "-" * (w + 24)
+    (a0, a1), (b0, b1) = summary_data["start_steps"], summary_data["end_steps"]
+    lines = [
+        f"{'metric':<{w}} {'start':>10} {'end':>10}",
+        f"(start: mean of steps {a0}-{a1}, from the first step with a non-zero update; "
+        f"end: of steps {b0}-{b1}; {summary_data['training_steps']} steps)",
+        rule,
+    ]
+    lines += [f"{r['metric']:<{w}} {fmt(r['start']):>10} {fmt(r['end']):>10}" for r in summary_data["train"]]
+    z = next((r for r in summary_data["train"] if r["key"] == "actor/sorl/norm_factor"), None)
+    if z is not None and z["start"] == 1.0 and z["end"] == 1.0:
+        lines.append(NEAR_ON_POLICY)
+    val = summary_data["validation"]
+    if val:
+        var = sorted({parse_val_key(s["key"]).var for s in val["splits"]})
+        before = " (before training)" if val["start_step"] == 0 else ""
+        lines += [rule, f"validation {'/'.join(var)} per split: start = step {val['start_step']}{before}, "
+                        f"end = step {val['end_step']}"]  # fmt: skip
+        lines += [f"{s['split']:<{w}} {fmt(s['start']):>10} {fmt(s['end']):>10}" for s in val["splits"]]
+        mean = val["mean"]
+        label = f"mean over the {len(val['splits'])} splits"
+        lines.append(f"{label:<{w}} {fmt(mean['start']):>10} {fmt(mean['end']):>10}")
+        if val["gain"] is not None:
+            lines.append(
+                f"validation gain: {val['gain']:+.3f} (mean score over the splits, "
+                f"step {val['start_step']} -> {val['end_step']})"
+            )
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+def write_plot(metrics: str, out: Path, label: str) -> Path:
+    """``sorl-verl plot``'s default panels (with validation per split) of this run, as a PNG."""
+    from sorl_verl.tools.plot import load_run, plot_runs
+
+    return plot_runs([load_run(metrics, label)], out)
+
+
+def summary(
+    path: str,
+    log: str | None,
+    ckpt: str | None,
+    updates: str | None = None,
+    k: int = 3,
+    out_dir: str | None = None,
+    cli: str = "sorl-verl",
+) -> int:
+    """Print the table; with ``out_dir`` also keep it there (summary.txt, summary.json, curves.png)
+    and print those paths and the ``sorl-verl plot`` / ``sorl-verl eval`` commands to use next."""
+    data = build_summary(path, updates, k)
+    if data is None:
+        print(f"no training steps logged in {path}", file=sys.stderr)
+        return 1
+    text = render(data)
+    print()
+    print(text)
+    files = [("metrics (verl file logger):", path)]
     if log:
-        print(f"full log:                   {log}")
+        files.append(("full log:", log))
     if ckpt:
-        print(f"checkpoints:                {ckpt}")
+        files.append(("checkpoints:", ckpt))
+    if out_dir:
+        run = Path(out_dir)
+        txt, js, png = run / "summary.txt", run / "summary.json", run / "curves.png"
+        data["files"] = {"log": log, "checkpoints": ckpt, "summary_txt": str(txt), "plot": str(png)}
+        txt.write_text(text + "\n")
+        js.write_text(json.dumps(data, indent=1) + "\n")
+        files += [("summary:", f"{txt}  {js.name}")]
+        try:
+            files.append(("plot (validation per split):", str(write_plot(path, png, run.name))))
+        except Exception as exc:  # noqa: BLE001 - the table is kept either way
+            files.append(("plot:", f"not written ({type(exc).__name__}: {exc})"))
+    for label, value in files:
+        print(f"{label:<30}{value}")
+    if out_dir:
+        print("next:")
+        print(f"  {cli} plot {out_dir} [OTHER_RUN_DIR ...] --out curves.png   # redraw, runs overlaid")
+        print(
+            f"  {cli} eval --metrics {out_dir} --out-dir {out_dir}/eval   # EM/F1 per split, best and last validation"
+        )
     return 0
 
 
@@ -238,11 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log")
     s.add_argument("--ckpt")
     s.add_argument("--updates", help="the actor's update log (sorl_updates.jsonl)")
+    s.add_argument("--out-dir", help="keep summary.txt, summary.json and curves.png here (the run directory)")
+    s.add_argument("--cli", default="sorl-verl", help="how to call sorl-verl in the printed next commands")
     a = p.parse_args(argv)
     if a.cmd == "follow":
         follow(a.metrics, a.pid, a.steps, a.updates)
         return 0
-    return summary(a.metrics, a.log, a.ckpt, a.updates)
+    return summary(a.metrics, a.log, a.ckpt, a.updates, out_dir=a.out_dir, cli=a.cli)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/sorl_normalizer_ab"))
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     args = parser.parse_args(argv)
-    os.environ.setdefault("SORL_HOME", str(REPO / ".sorl_cache"))  # as scripts/demo.sh
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.arms:
         if name in results:

@@ -16,7 +16,8 @@ from types import ModuleType
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("SORL_HOME", str(REPO_ROOT / ".sorl_cache"))
+# SORL_HOME: unset, the project's one cache (sorl_verl.paths.data_home, ~/.cache/sorl_verl), shared
+# with scripts/demo.sh and every sorl-verl command
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray local-only (loopback) even in tests that start Ray before verl loads the plugin
 # (sorl_verl/cpu/loopback.py sets the same for every process that loads it)

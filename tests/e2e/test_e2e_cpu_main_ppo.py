@@ -110,3 +110,54 @@ def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
     assert all(math.isfinite(v) and v >= 0.0 for v in kl.values()), kl
     assert kl[1] <= ROUNDING_KL, kl
     assert kl[2] > 10 * ROUNDING_KL, kl
+
+
+def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedded, retrieval, small_overrides):
+    """verl's own ``ppo_trainer`` (its ``sync`` trainer, ``torch.optim.AdamW``) with only the SORL flags:
+    the actor update runs the so_grpo loss and takes the update-scaled step through the plugin's
+    optimizer-step hooks (before them it stopped at the first update: "needs the SORL optimizer").
+
+    The CPU needs the project's platform and task overlays (hf rollout, search_r1, embedded data),
+    found through ``hydra.searchpath``; the overlay's ``log_update_norm`` is an option of the SORL
+    optimizer that verl's AdamW does not take, hence ``override_optimizer_config=null``.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import verl
+
+    paths, model = embedded
+    repo = Path(__file__).resolve().parents[2]
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [
+        sys.executable, "-m", "verl.trainer.main_ppo",
+        "--config-path", str(Path(verl.__file__).parent / "trainer" / "config"), "--config-name", "ppo_trainer",
+        f"hydra.searchpath=[file://{repo / 'recipe' / 'sorl' / 'config'}]", "+task=search_qa", "+platform=cpu",
+        "algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo",
+        "actor_rollout_ref.actor.optim.override_optimizer_config=null",
+        f"data.train_files={paths.parquet['train']}", f"data.val_files={paths.parquet['val']}",
+        f"actor_rollout_ref.model.path={model}", f"sorl.agent.retrieval_url={retrieval.retrieve_url}",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}", "trainer.logger=[console,file]",
+        *small_overrides, "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "VERL_PLATFORM": "cpu",
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    log = tmp_path / "main_ppo.log"
+    with open(log, "w") as out:
+        returncode = subprocess.run(
+            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1200
+        ).returncode
+    text = log.read_text()
+    assert returncode == 0, f"main_ppo exited {returncode}; log {log}:\n" + "\n".join(text.splitlines()[-40:])
+    assert "'trainer_mode': 'sync'" in text and "'optimizer_impl': 'torch.optim'" in text  # verl's own, as composed
+    steps = train_steps([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
+    assert sorted(steps) == [1]
+    assert_sorl_step_metrics(steps[1])
+    assert not (tmp_path / "ckpt" / "sorl_updates.jsonl").exists()  # no SORL optimizer (it writes that log)

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,9 +50,9 @@ def test_summary_table_start_end_means(tmp_path, capsys):
     assert row.split()[-2:] == ["0.2", "0.5"]
     z = next(line for line in out.splitlines() if line.startswith("sorl/norm_factor"))
     assert z.split()[-2:] == ["3", "6"]
-    val = next(line for line in out.splitlines() if line.startswith("synthetic_1hop/reward/mean@1"))
-    assert val.split()[-2:] == ["0.5", "0.75"]
-    assert "checkpoints:                C" in out
+    val = [line for line in out.splitlines() if line.startswith("synthetic_1hop ")]
+    assert len(val) == 1 and val[0].split()[-2:] == ["0.5", "0.75"]  # one row per split (val-core)
+    assert any(line.startswith("checkpoints:") and line.split()[-1] == "C" for line in out.splitlines())
 
 
 def test_summary_without_steps_fails(tmp_path):
@@ -105,3 +107,53 @@ def test_follow_shows_the_update_norm_of_each_step(tmp_path, capsys):
     mod.follow(str(m), pid, total=6, updates=str(updates), poll_s=0.01)
     steps = [line for line in capsys.readouterr().out.splitlines() if "step " in line and "validation" not in line]
     assert "|dW|=0.25" in steps[0] and "|dW|" not in steps[1]
+
+
+def test_start_is_the_first_step_with_a_non_zero_update(tmp_path):
+    """Step 1 of a warm-up starting at lr 0 moves nothing: the start window begins at step 2."""
+    mod = load_summary_module()
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m)
+    updates = tmp_path / "sorl_updates.jsonl"
+    norms = [0.0, 0.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 8.0, 8.0, 10.0, 10.0]  # 2 updates per step
+    updates.write_text("".join(json.dumps({"step": i + 1, "update_norm": v}) + "\n" for i, v in enumerate(norms)))
+    data = mod.build_summary(str(m), str(updates))
+    assert data["start_steps"] == [2, 4] and data["end_steps"] == [4, 6]
+    reward = next(r for r in data["train"] if r["key"] == "critic/score/mean")
+    assert reward["start"] == pytest.approx(0.3) and reward["end"] == pytest.approx(0.5)
+    lr_only = [(s, {"actor/lr": 0.0 if s == 1 else 1e-4}) for s in (1, 2, 3)]
+    assert mod.first_update_index(lr_only) == 1
+    assert mod.first_update_index([(1, {}), (2, {})]) == 0
+
+
+def test_one_row_per_split_and_the_files_kept_in_the_run_directory(tmp_path, capsys):
+    mod = load_summary_module()
+    run = tmp_path / "so_grpo-qa-early-stop-50-20261126-120000"
+    run.mkdir()
+    m = run / "metrics.jsonl"
+    lines = []
+    for step, scores in ((0, (0.58, 0.0, 0.01)), (50, (0.46, 0.36, 0.0))):
+        data = {}
+        for hop, score in zip((1, 2, 3), scores, strict=True):
+            for key in (f"val-core/synthetic_{hop}hop/reward/mean@1", f"val-aux/synthetic_{hop}hop/em/mean@1",
+                        f"val-aux/synthetic_{hop}hop/score/mean@1"):  # fmt: skip
+                data[key] = score
+        lines.append({"step": step, "data": data})
+    for s in range(1, 51):
+        lines.insert(
+            -1, {"step": s, "data": {"timing_s/step": 1.0, "critic/score/mean": 0.2, "actor/sorl/norm_factor": 1.0}}
+        )
+    m.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert mod.summary(str(m), None, None, out_dir=str(run), cli="CLI") == 0
+    out = capsys.readouterr().out
+    assert sum("synthetic_2hop" in line for line in out.splitlines()) == 1
+    assert "validation gain: +0.077" in out and "start = step 0 (before training)" in out
+    assert "sorl/ rows at 0 or 1" in out  # Z never left 1
+    saved = json.loads((run / "summary.json").read_text())
+    assert [s["split"] for s in saved["validation"]["splits"]] == ["synthetic_1hop", "synthetic_2hop", "synthetic_3hop"]
+    assert saved["validation"]["splits"][1] == {
+        "split": "synthetic_2hop", "key": "val-core/synthetic_2hop/reward/mean@1", "start": 0.0, "end": 0.36,
+    }  # fmt: skip
+    assert (run / "summary.txt").read_text().strip() in out
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert f"CLI plot {run}" in out and f"CLI eval --metrics {run} --out-dir {run}/eval" in out
