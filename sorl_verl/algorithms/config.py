@@ -23,7 +23,9 @@ from verl.workers.config import PolicyLossConfig
 
 CLIP_NORM_MODES = ("max", "add", "none")
 CLIP_NORM_SCOPES = ("micro_batch", "global")
-CLIP_NORM_REFERENCES = ("absolute", "relative")
+#: references whose q is the clipping-bias term in parameter space (:mod:`sorl_verl.algorithms.clip_bias_grad`)
+GRADIENT_REFERENCES = ("gradient", "gradient_relative")
+CLIP_NORM_REFERENCES = ("absolute", "relative", *GRADIENT_REFERENCES)
 CLIP_NORM_APPLY = ("update", "loss")
 KNOB_PREFIX = "actor_rollout_ref.actor.policy_loss"
 

@@ -8,14 +8,20 @@ Per token (``m`` = response_mask, ``d = clamp(log_prob - old_log_prob, ±log_rat
     ||C|| = sqrt(sum c^2 / sum m);  rho = sqrt(sum c^2 / sum (r A)^2)   (sums over the data-parallel
             group if scope=global)
     q = ||C|| (reference=absolute) | rho (reference=relative)
+      | ||C(theta)|| (reference=gradient) | ||C(theta)|| / ||grad l_u|| (reference=gradient_relative)
+        with C(theta) the clipping-bias term in parameter space (:mod:`~sorl_verl.algorithms.clip_bias_grad`)
     Z = max(1, q/tau) | 1 + q/tau | 1     (clip_norm_mode = max | add | none)
     apply=loss:   loss = agg_loss(L, m, loss_agg_mode, **global_batch_info) / Z      (Z a constant)
     apply=update: loss = agg_loss(...); 1/Z is published to the optimizer of this process, whose
                   step is scaled by the mean of 1/Z over the step's micro-batches
                   (:mod:`sorl_verl.algorithms.optim`)
 
+Every mode logs ``sorl/clip_bias_grad_norm`` = ||C(theta)|| on the first micro-batch after each
+optimizer step (on every micro-batch where a gradient reference drives Z), whatever its reference.
+
 ``turn_ppo`` (turn ratio, Z = 1), ``s_ppo`` (token ratio, Z on), ``so_ppo`` and ``so_grpo``
-(turn ratio, Z on) share :func:`sorl_policy_loss`; registration is in :mod:`sorl_verl.plugin`.
+(turn ratio, Z on) share :func:`sorl_policy_loss`; ``vanilla_diag`` is verl's ``vanilla``
+unchanged plus that diagnostic (for GRPO/PPO baselines); registration is in :mod:`sorl_verl.plugin`.
 """
 
 from __future__ import annotations
@@ -24,12 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from verl.trainer.ppo.core_algos import agg_loss
+from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla
 
-from sorl_verl.algorithms.config import SORLKnobs, read_knobs
+from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, GradientNorms, clip_bias_gradient_norms
+from sorl_verl.algorithms.config import GRADIENT_REFERENCES, SORLKnobs, read_knobs
 from sorl_verl.algorithms.optim import LEDGER
 from sorl_verl.algorithms.parallel import data_parallel_group
-from sorl_verl.algorithms.surrogate import ClipRange, surrogate
+from sorl_verl.algorithms.surrogate import ClipRange, Surrogate, surrogate
 from sorl_verl.algorithms.turns import segment_runs
 
 
@@ -59,6 +66,43 @@ def clip_bias_stats(
     norm = torch.sqrt(sums[0] / sums[1].clamp_min(1.0))
     rel = torch.where(sums[2] > 0, torch.sqrt(sums[0] / torch.where(sums[2] > 0, sums[2], 1.0)), 0.0)
     return norm, rel.clamp(max=1.0)
+
+
+def aggregation_weights(
+    mask: torch.Tensor, loss_agg_mode: str, config: Any, dtype: torch.dtype, rollout_is_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``G = dl/dL`` per token: verl's ``agg_loss`` (with ``global_batch_info``) is linear in ``L``, so
+    its gradient at a zero probe is exactly the weight the loss gives each token, times
+    ``rollout_is_weights`` as the loss applies them; 0 where ``m = 0``."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    probe = torch.zeros(mask.shape, dtype=dtype, device=mask.device, requires_grad=True)
+    with torch.enable_grad():
+        aggregated = agg_loss(loss_mat=probe, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
+        (weights,) = torch.autograd.grad(aggregated, probe, allow_unused=True, materialize_grads=True)
+    if rollout_is_weights is not None:
+        weights = weights * rollout_is_weights.to(dtype)
+    return torch.where(mask, weights, zero)
+
+
+def clip_bias_gradient(
+    terms: Surrogate,
+    log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
+    rollout_is_weights: torch.Tensor | None,
+    scope: str,
+    relative: bool,
+) -> GradientNorms:
+    """``||C(theta)||`` (and ``/ ||grad l_u||`` if ``relative``) of one micro-batch; ``terms`` built with
+    ``directions=True``. A micro-batch without policy tokens contributes ``delta = 0``."""
+    dtype = terms.update_sq.dtype
+    if bool(mask.any()):
+        weights = aggregation_weights(mask, loss_agg_mode, config, dtype, rollout_is_weights)
+    else:  # no token: no weights to take (0/0), and delta = 0
+        weights = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    unclipped = (lambda: terms.unclipped(weights)) if relative else None
+    return clip_bias_gradient_norms(log_prob, terms.removed(weights), unclipped, scope)
 
 
 def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
@@ -119,7 +163,20 @@ def sorl_policy_loss(
     mask = response_mask.bool()
     runs = segment_runs(mask)
     clip = ClipRange(low=low, high=high, dual=clip_ratio_c, log_ratio_bound=knobs.log_ratio_clamp)
-    terms = surrogate(old_log_prob, log_prob, advantages, mask, runs if turn_level else None, clip)
+    publish = torch.is_grad_enabled() and log_prob.requires_grad
+    active = normalize and knobs.clip_norm_mode != "none"
+    by_gradient = active and knobs.clip_norm_reference in GRADIENT_REFERENCES
+    # ||C(theta)|| on every micro-batch when it drives Z, else once per optimizer step (diagnostic)
+    take_gradient = publish and (by_gradient or DIAGNOSTIC.claim())
+    terms = surrogate(
+        old_log_prob, log_prob, advantages, mask, runs if turn_level else None, clip, directions=take_gradient
+    )
+    grad_norms = None
+    if take_gradient:
+        relative = by_gradient and knobs.clip_norm_reference == "gradient_relative"
+        grad_norms = clip_bias_gradient(
+            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, relative
+        )
     pg_losses = terms.pg_losses
     zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
     if rollout_is_weights is not None:
@@ -129,8 +186,11 @@ def sorl_policy_loss(
         num_tokens = torch.where(runs.is_turn, runs.lengths, 0).sum()
         sum_sq_bias = torch.where(terms.clipped, terms.update_sq, zero).sum()  # c^2, c = x * r * A
         norm, rel = clip_bias_stats(sum_sq_bias, num_tokens, terms.update_sq.sum(), knobs.clip_norm_scope)
-        active = normalize and knobs.clip_norm_mode != "none"
-        reference = rel if knobs.clip_norm_reference == "relative" else norm
+        if knobs.clip_norm_reference in GRADIENT_REFERENCES:  # no gradient to take: q = 0, Z = 1
+            grad_q = None if grad_norms is None else grad_norms.rel if grad_norms.rel is not None else grad_norms.norm
+            reference = torch.zeros_like(norm) if grad_q is None else grad_q.to(norm.device)
+        else:
+            reference = rel if knobs.clip_norm_reference == "relative" else norm
         z = normalizer(reference, knobs) if active else torch.ones((), dtype=torch.float64, device=norm.device)
         at_update = knobs.clip_norm_apply == "update"
 
@@ -140,7 +200,6 @@ def sorl_policy_loss(
             pg_loss = pg_loss / z.to(pg_loss.dtype)
     else:  # no policy token: a zero loss that still reaches the graph, never 0/0
         pg_loss = torch.where(mask, log_prob, torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)).sum() * 0
-    publish = torch.is_grad_enabled() and log_prob.requires_grad
 
     with torch.no_grad():
         if turn_level:
@@ -152,6 +211,10 @@ def sorl_policy_loss(
         inv_z = 1.0 / z
         stats["sorl/clip_bias_norm"] = norm
         stats["sorl/clip_bias_rel"] = rel
+        if grad_norms is not None:
+            stats["sorl/clip_bias_grad_norm"] = grad_norms.norm
+            if grad_norms.rel is not None:
+                stats["sorl/clip_bias_grad_rel"] = grad_norms.rel
         stats["sorl/norm_factor"] = z
         stats["sorl/triggered"] = (z > 1.0).double()
         stats["sorl/update_scale"] = inv_z if at_update else torch.ones_like(z)
@@ -274,10 +337,41 @@ def compute_policy_loss_so_grpo(
     )
 
 
-#: loss_mode name -> function, registered into verl by :mod:`sorl_verl.plugin`
-POLICY_LOSSES = {
+def compute_policy_loss_vanilla_diag(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's ``vanilla`` loss, called unchanged (loss, gradient and metrics are its own), plus the
+    diagnostic ``sorl/clip_bias_grad_norm`` of its token-ratio dual-clip surrogate on the first
+    micro-batch after each optimizer step: the GRPO/PPO baselines log what the SORL modes log."""
+    pg_loss, metrics = compute_policy_loss_vanilla(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
+    if torch.is_grad_enabled() and log_prob.requires_grad and DIAGNOSTIC.claim():
+        low, high, clip_ratio_c = _clip_params(config)
+        knobs = read_knobs(config)
+        mask = response_mask.bool()
+        clip = ClipRange(low=low, high=high, dual=clip_ratio_c, log_ratio_bound=20.0)  # vanilla's own clamp
+        with torch.no_grad():
+            terms = surrogate(old_log_prob, log_prob.detach(), advantages, mask, None, clip, directions=True)
+        grad_norms = clip_bias_gradient(
+            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, relative=False
+        )
+        metrics = {**metrics, "sorl/clip_bias_grad_norm": float(grad_norms.norm)}
+    return pg_loss, metrics
+
+
+#: the SORL losses (:func:`sorl_policy_loss`)
+SORL_LOSSES = {
     "turn_ppo": compute_policy_loss_turn_ppo,
     "s_ppo": compute_policy_loss_s_ppo,
     "so_ppo": compute_policy_loss_so_ppo,
     "so_grpo": compute_policy_loss_so_grpo,
 }
+#: loss_mode name -> function, registered into verl by :mod:`sorl_verl.plugin`
+POLICY_LOSSES = {**SORL_LOSSES, "vanilla_diag": compute_policy_loss_vanilla_diag}

@@ -20,6 +20,11 @@ autograd performs on the same forward graph (``f`` is 0, 1/4, 1/2 or 1, so scali
 exact), so loss and gradient are autograd's bit for bit, with a third of autograd's full-size
 backward passes. Gradients reach ``log_prob`` only; ``old_log_prob`` and ``advantages`` must
 not require them.
+
+The same backward with ``f`` replaced by ``1`` is ``dl_u/dd`` of the unclipped surrogate
+``-A r``, and with ``1 - f`` it is ``delta = dl_u/dd - dl/dd``, the clipping-bias cotangent of
+SORL-SPEC "The clipping-bias term in parameter space" (0 wherever clipping is not active):
+:attr:`Surrogate.removed` and :attr:`Surrogate.unclipped` when asked for with ``directions=True``.
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ class Surrogate:
     ``pg_losses``: ``L``, carrying the gradient to ``log_prob`` when that requires one;
     ``log_ratio``: ``d``; ``turn_log_ratio``: ``[S]`` mean of ``d`` per run (turn level, else None);
     ``update_sq``: ``(r A)^2``; ``upper``: ``pg2 > pg1``; ``lower``: ``c1 > pg3`` with ``A < 0``;
-    ``clipped``: ``upper | lower`` (where clipping zeroed ``dL/dr``).
+    ``clipped``: ``upper | lower`` (where clipping zeroed ``dL/dr``);
+    ``removed`` / ``unclipped`` (with ``directions=True``, else None): ``G -> delta`` and
+    ``G -> dl_u/dd`` for ``G = dloss/dL`` (module docstring), in ``log_prob``'s dtype.
     """
 
     pg_losses: torch.Tensor
@@ -60,6 +67,8 @@ class Surrogate:
     upper: torch.Tensor
     lower: torch.Tensor
     clipped: torch.Tensor
+    removed: _SurrogateBackward | None = None
+    unclipped: _SurrogateBackward | None = None
 
 
 @dataclass(frozen=True)
@@ -121,10 +130,12 @@ def surrogate(
     mask: torch.Tensor,
     runs: Runs | None,
     clip: ClipRange,
+    directions: bool = False,
 ) -> Surrogate:
     """The terms of the module docstring for a bool ``mask``; ``runs`` (from
     :func:`~sorl_verl.algorithms.turns.segment_runs`) selects the turn ratio, ``None`` the token
-    ratio. Computes in float32 (float64 inputs stay float64)."""
+    ratio; ``directions`` adds ``removed`` and ``unclipped``. Computes in float32 (float64 inputs
+    stay float64)."""
     differentiable = torch.is_grad_enabled() and log_prob.requires_grad
     if differentiable and (old_log_prob.requires_grad or advantages.requires_grad):
         raise ValueError(
@@ -163,13 +174,17 @@ def surrogate(
         upper = torch.gt(pg2, pg1)
         lower = torch.gt(clip1, pg3) & negative
         clipped = upper | lower
-        if differentiable:
+        removed = unclipped = None
+        if differentiable or directions:
             slope = torch.where(clipped, zero, neg_adv)
             ties = ((pg1 == pg2) & (ratio != clipped_ratio)) | ((clip1 == pg3) & negative)
             if int(torch.count_nonzero(ties)) > 0:  # count_nonzero: one vectorized pass (any() is not)
                 share = _tie_exact_share(pg1, pg2, clip1, pg3, ratio == clipped_ratio, negative)
                 slope = share * neg_adv
             backward = _SurrogateBackward(slope, ratio, runs, grad_mask, log_prob.dtype)
+            if directions:  # (1 - f) * (-A) is exactly 0 where f = 1 (no clipping)
+                removed = _SurrogateBackward(neg_adv - slope, ratio, runs, grad_mask, log_prob.dtype)
+                unclipped = _SurrogateBackward(neg_adv, ratio, runs, grad_mask, log_prob.dtype)
     if differentiable:
         pg_losses = _WithGradient.apply(log_prob, pg_losses, backward)
-    return Surrogate(pg_losses, log_ratio, turn_log_ratio, pg1.square(), upper, lower, clipped)
+    return Surrogate(pg_losses, log_ratio, turn_log_ratio, pg1.square(), upper, lower, clipped, removed, unclipped)

@@ -35,7 +35,8 @@ def assert_sorl_step_metrics(m: dict) -> None:
     for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm"):
         assert math.isfinite(float(m[key])), (key, m[key])
     sorl = {k: float(v) for k, v in m.items() if "/sorl/" in k or k.startswith("sorl/")}
-    for name in ("turn_ratio_mean", "turn_clipfrac", "clip_bias_norm", "norm_factor", "triggered", "num_turns_mean"):
+    names = ("turn_ratio_mean", "turn_clipfrac", "clip_bias_norm", "clip_bias_grad_norm", "norm_factor", "triggered")
+    for name in (*names, "num_turns_mean"):
         key = f"actor/sorl/{name}"
         assert key in sorl, f"{key} missing; sorl metrics logged: {sorted(sorl)}"
         assert math.isfinite(sorl[key]), (key, sorl[key])

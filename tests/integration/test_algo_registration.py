@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESOLVE = """
 import verl
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
-for name in ("turn_ppo", "s_ppo", "so_ppo", "so_grpo"):
+for name in ("turn_ppo", "s_ppo", "so_ppo", "so_grpo", "vanilla_diag"):
     assert get_policy_loss_fn(name).__module__ == "sorl_verl.algorithms.losses", name
 for name in ("so_grpo", "so_ppo"):
     assert get_adv_estimator_fn(name).__module__ == "sorl_verl.algorithms.advantages", name
@@ -40,7 +40,7 @@ def run_python(code: str, **env: str) -> str:
 
 def test_plain_import_verl_registers_through_the_entry_point():
     out = run_python(RESOLVE)
-    assert "OK ['s_ppo', 'so_grpo', 'so_ppo', 'turn_ppo'] ['so_grpo', 'so_ppo']" in out
+    assert "OK ['s_ppo', 'so_grpo', 'so_ppo', 'turn_ppo', 'vanilla_diag'] ['so_grpo', 'so_ppo']" in out
 
 
 def test_verl_use_external_modules_works_without_entry_points():

@@ -1,0 +1,190 @@
+"""The clipping-bias term in parameter space (SORL-SPEC, ``clip_norm_reference = gradient``).
+
+With ``l`` the micro-batch loss as verl aggregates it and ``l_u`` the same aggregation of the
+unclipped surrogate ``-A r``, ``delta[t] = dl_u/dd[t] - dl/dd[t]`` (no gradient; 0 on unclipped
+tokens; :attr:`~sorl_verl.algorithms.surrogate.Surrogate.removed`) and::
+
+    C(theta) = sum_t delta[t] * grad_theta log pi(y_t)      (one vector-Jacobian product)
+    g_u      = sum_t dl_u/dd[t] * grad_theta log pi(y_t)    (= grad of l_u; only for the relative form)
+
+The product runs through the graph that produced ``log_prob`` (``torch.autograd.grad`` with
+``retain_graph``, before verl's own backward) with respect to its leaves: the tensors autograd
+would accumulate ``.grad`` into, i.e. the actor's parameters as the forward used them (FSDP2's
+unsharded parameters). ``.grad`` is not touched. Norms (float64)::
+
+    scope = micro_batch: q = ||C_r||                      (this rank's micro-batch)
+    scope = global:      q = ||mean over the data-parallel group of C_r||   (the ranks' C averaged as
+                         FSDP averages their gradients; equals one rank holding all the data)
+
+FSDP2's backward hooks fire during the product as in any backward: parameters are gathered again
+where they were resharded, and on the micro-batch that synchronizes gradients the accumulated
+gradient of the earlier micro-batches is reduce-scattered there rather than in the real backward
+(the same sum, taken in two parts). Those are collectives, so every rank of the data-parallel group
+takes the product on the same micro-batches: the skip when nothing is clipped anywhere is decided
+with one all-reduce. Gradient checkpointing must be non-reentrant, and flash-attn's cross-entropy
+with ``inplace_backward`` (it overwrites what a second backward reads) is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from sorl_verl.algorithms.parallel import data_parallel_group
+
+__all__ = ["DIAGNOSTIC", "GradientNorms", "clip_bias_gradient_norms", "graph_leaves"]
+
+
+def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (parameters) whose ``.grad`` a backward from ``output`` would accumulate.
+
+    Raises with the fix where a second backward through the graph would be wrong or blind.
+    """
+    if output.grad_fn is None:
+        return [output] if output.requires_grad else []
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and type(node).__name__ == "AccumulateGrad":
+            leaves.setdefault(id(variable), variable)
+            continue
+        name = type(node).__name__
+        if getattr(node, "inplace_backward", False):
+            raise RuntimeError(
+                f"sorl_verl: clip_bias_grad needs a second backward through log_prob, but {name} computes its "
+                "gradient in place of its saved input (flash-attn's cross-entropy with inplace_backward): set "
+                "VERL_DISABLE_FLASH_ATTN_CE=1 in the workers' environment"
+            )
+        if name == "CheckpointFunctionBackward":
+            raise RuntimeError(
+                "sorl_verl: clip_bias_grad cannot see the parameters inside reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True): use use_reentrant=False"
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def _all_ranks_any(flag: bool, device: torch.device) -> bool:
+    """``flag`` or-ed over the data-parallel group (one all-reduce when it has several ranks)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    group = data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+def _local_tensor(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient as a full tensor (the parameters of verl's FSDP2 graph are plain)."""
+    full = getattr(g, "full_tensor", None)
+    return full() if callable(full) else g
+
+
+def _norm(grads: list[torch.Tensor], scope: str) -> torch.Tensor:
+    """``||g||_2`` in float64 over all leaves; averaged over the data-parallel group first if ``global``."""
+    grads = [_local_tensor(g) for g in grads]
+    device = grads[0].device
+    if scope == "global" and dist.is_available() and dist.is_initialized():
+        group = data_parallel_group()
+        size = dist.get_world_size(group)
+        if size > 1:
+            dtype = torch.promote_types(grads[0].dtype, torch.float32)  # bf16 gradients are summed in float32
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            return torch.linalg.vector_norm(flat, dtype=torch.float64) / size
+    squares = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
+    return torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64, device=device)
+
+
+def _vjp_norm(log_prob: torch.Tensor, cotangent: torch.Tensor, leaves: list[torch.Tensor], scope: str) -> torch.Tensor:
+    """``||sum_t cotangent[t] grad log_prob[t]||`` by one backward that keeps the graph (``.grad`` untouched)."""
+    # verl calls the loss inside autocast; its own backward runs outside it, and so does this one
+    with torch.autocast(device_type=log_prob.device.type, enabled=False):
+        grads = torch.autograd.grad(
+            log_prob,
+            leaves,
+            grad_outputs=cotangent.to(log_prob.dtype),
+            retain_graph=True,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+    return _norm(list(grads), scope)
+
+
+@dataclass(frozen=True)
+class GradientNorms:
+    """``norm = ||C(theta)||``; ``rel = ||C(theta)|| / ||grad l_u||`` (None unless asked; 0 when ``grad l_u = 0``);
+    ``computed``: False when nothing was clipped on any rank (then both are 0 and no product ran)."""
+
+    norm: torch.Tensor
+    rel: torch.Tensor | None
+    computed: bool
+
+
+def clip_bias_gradient_norms(
+    log_prob: torch.Tensor,
+    removed: torch.Tensor,
+    unclipped: Callable[[], torch.Tensor] | None,
+    scope: str,
+) -> GradientNorms:
+    """``||C(theta)||`` (and the relative form when ``unclipped`` gives ``dl_u/dd``) for cotangent ``removed = delta``.
+
+    ``log_prob`` must carry the actor's graph. Every rank of the data-parallel group must call this
+    on the same micro-batches (module docstring). Costs one backward (two for the relative form),
+    none when ``delta = 0`` on every rank.
+    """
+    zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
+    local_any = bool(torch.count_nonzero(removed) > 0)
+    if not _all_ranks_any(local_any, log_prob.device):
+        return GradientNorms(zero, zero if unclipped is not None else None, False)
+    leaves = graph_leaves(log_prob)
+    if not leaves:
+        return GradientNorms(zero, zero if unclipped is not None else None, False)
+    norm = _vjp_norm(log_prob, removed, leaves, scope)
+    rel = None
+    if unclipped is not None:
+        norm_u = _vjp_norm(log_prob, unclipped(), leaves, scope)
+        rel = torch.where(norm_u > 0, norm / torch.where(norm_u > 0, norm_u, 1.0), zero)
+    return GradientNorms(norm, rel, True)
+
+
+class OncePerStep:
+    """True for the first claim after each optimizer step of this process (and the first ever).
+
+    Any torch optimizer's ``step`` re-arms it (a global step post-hook), so a diagnostic taken on
+    the first micro-batch of each mini-batch needs no help from verl. A step verl skips for a
+    non-finite gradient does not re-arm it.
+    """
+
+    def __init__(self) -> None:
+        self.due = True
+        self._handle: Any = None
+
+    def install(self) -> None:
+        if self._handle is None:
+            self._handle = register_optimizer_step_post_hook(self._on_step)
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.due = True
+
+    def claim(self) -> bool:
+        due, self.due = self.due, False
+        return due
+
+
+#: the schedule of the always-on diagnostic ``sorl/clip_bias_grad_norm``
+DIAGNOSTIC = OncePerStep()
+DIAGNOSTIC.install()

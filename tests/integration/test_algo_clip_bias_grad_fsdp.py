@@ -1,0 +1,174 @@
+"""``clip_norm_reference = gradient`` inside FSDP2 (``fully_shard``) on gloo ranks, with verl's
+engine pattern (gradient sync only on the last micro-batch, ``global_batch_info`` scaling):
+the extra vector-Jacobian product leaves the real gradients as they are, and ``||C(theta)||`` of
+two ranks (scope ``global``) equals that of one rank holding both ranks' rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from verl.workers.config import ActorConfig
+
+from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
+from sorl_verl.algorithms.config import SORLPolicyLossConfig
+from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def load(relative: str) -> ModuleType:
+    """A test module by path (the test folders are no packages); the rank script does the same."""
+    path = TESTS / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GLOBAL_SCOPE = load("integration/test_algo_global_scope.py")
+CASES = load("unit/test_algo_clip_bias_grad.py")
+TinyLM, problem = CASES.TinyLM, CASES.problem
+
+MICRO_BATCHES = 2
+ROWS = 8  # 4 rows per micro-batch: 2 per rank with two ranks
+
+
+def shard(t: torch.Tensor, micro_batch: int, rank: int, world: int) -> torch.Tensor:
+    """Rows of ``micro_batch`` held by ``rank``: micro-batch i is the same rows whatever the world size."""
+    rows = t.shape[0] // MICRO_BATCHES
+    per_rank = rows // world
+    start = micro_batch * rows + rank * per_rank
+    return t[start : start + per_rank]
+
+
+def run_step(model, data, rank, world, reference, tau, engine_hooks):
+    """verl's engine loop: sync gradients on the last micro-batch only, backward each loss."""
+    ids, old, adv, mask = data
+    cfg = ActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        policy_loss=SORLPolicyLossConfig(
+            clip_norm_reference=reference, clip_norm_tau=tau, clip_norm_scope="global", clip_norm_apply="loss"
+        ),
+    )
+    cfg.global_batch_info.update(dp_size=world, batch_num_tokens=int(mask.sum()))
+    metrics = []
+    for i in range(MICRO_BATCHES):
+        if engine_hooks:
+            model.set_requires_gradient_sync(i == MICRO_BATCHES - 1)
+        DIAGNOSTIC.due = False  # only the reference under test takes a product
+        part = [shard(t, i, rank, world) for t in (ids, old, adv, mask)]
+        loss, m = compute_policy_loss_so_grpo(part[1], model(part[0]), part[2], part[3], "token-mean", cfg)
+        loss.backward()
+        metrics.append([m.get("sorl/clip_bias_grad_norm"), m["sorl/norm_factor"]])
+    return metrics
+
+
+RANK_SCRIPT = (
+    GLOBAL_SCOPE.FINISH
+    + """
+import importlib.util, json, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+spec = importlib.util.spec_from_file_location("fsdp_case", sys.argv[5])
+case = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(case)
+run_step, TinyLM = case.run_step, case.TinyLM
+rank, world, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+data = torch.load(path)
+out = {}
+for reference, tau in (("absolute", 1e30), ("gradient", 1e30), ("gradient", 1e-3)):
+    model = TinyLM(seed=0)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    metrics = run_step(model, data, rank, world, reference, tau, engine_hooks=True)
+    grads = [p.grad.full_tensor().reshape(-1).tolist() for p in model.parameters()]
+    out[f"{reference}-{tau:g}"] = {"metrics": metrics, "grads": grads}
+finish("RESULT" + json.dumps(out))
+"""
+)
+
+
+def run_ranks(path: str, world: int) -> list[dict]:
+    port = str(GLOBAL_SCOPE.free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(world), port, path, __file__],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.split("RESULT", 1)[1]))
+    return results
+
+
+def local_gradient_mass(data, world: int) -> torch.Tensor:
+    """Sum over ranks and micro-batches of |local gradient| / world: what FSDP adds up per element."""
+    model = TinyLM(seed=0)
+    mass = [torch.zeros_like(p).reshape(-1) for p in model.parameters()]
+    for rank in range(world):
+        model.zero_grad(set_to_none=True)
+        run_step(model, data, rank, world, "absolute", 1e30, engine_hooks=False)
+        for m, p in zip(mass, model.parameters(), strict=True):
+            m += p.grad.reshape(-1).abs() / world
+    return torch.cat(mass)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    _, ids, old, adv, mask = problem(seed=41, rows=ROWS, length=10)
+    mask[3] = False  # rank 1's first micro-batch: rows 2-3, one of them without policy tokens (row 7 too)
+    data = (ids, old, adv, mask)
+    path = str(tmp_path_factory.mktemp("fsdp") / "data.pt")
+    torch.save(data, path)
+    return data, {world: run_ranks(path, world) for world in (1, 2)}
+
+
+def flat(grads: list[list[float]]) -> torch.Tensor:
+    return torch.tensor([g for p in grads for g in p], dtype=torch.float64)
+
+
+def test_one_rank_extra_product_leaves_the_step_bit_for_bit(ranks):
+    (result,) = ranks[1][1]
+    base, with_c = result["absolute-1e+30"], result["gradient-1e+30"]
+    assert all(m[0] is None for m in base["metrics"]) and all(m[0] > 0 and m[1] == 1.0 for m in with_c["metrics"])
+    assert torch.equal(flat(base["grads"]), flat(with_c["grads"]))
+
+
+def test_two_ranks_extra_product_leaves_the_step_within_the_reordered_sum(ranks):
+    """With two ranks FSDP2 may reduce-scatter the earlier micro-batches' accumulated gradient in the
+    product's backward and the last micro-batch's in the real one: the same float64 sums in another
+    order, so each element differs by at most a few roundings of the summed magnitudes."""
+    data, results = ranks
+    bound = 4 * torch.finfo(torch.float64).eps * local_gradient_mass(data, 2)
+    for result in results[2]:
+        base, with_c = flat(result["absolute-1e+30"]["grads"]), flat(result["gradient-1e+30"]["grads"])
+        assert bool(((base - with_c).abs() <= bound).all())
+
+
+def test_two_ranks_equal_one_rank(ranks):
+    _, results = ranks
+    (one,) = results[1]
+    for result in results[2]:
+        for key in ("gradient-1e+30", "gradient-0.001"):
+            for (norm_2, z_2), (norm_1, z_1) in zip(result[key]["metrics"], one[key]["metrics"], strict=True):
+                assert norm_1 > 0
+                # float64 sums of a few hundred terms in another order, then one all-reduce
+                assert norm_2 == pytest.approx(norm_1, rel=1e-12)
+                assert z_2 == pytest.approx(z_1, rel=1e-12)
+    assert results[2][0]["gradient-0.001"]["metrics"] == results[2][1]["gradient-0.001"]["metrics"]
