@@ -22,11 +22,14 @@ gradient of the earlier micro-batches is reduce-scattered there rather than in t
 (the same sum, taken in two parts). Those are collectives, so every rank of the data-parallel group
 takes the product on the same micro-batches: the skip when nothing is clipped anywhere is decided
 with one all-reduce. Gradient checkpointing must be non-reentrant, and flash-attn's cross-entropy
-with ``inplace_backward`` (it overwrites what a second backward reads) is refused with the fix.
+with ``inplace_backward`` (it overwrites what a second backward reads; verl uses it on GPUs unless it
+computes the entropy) cannot be differentiated twice: the gradient reference then fails with the fix,
+the diagnostic is left out with one warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +40,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sorl_verl.algorithms.parallel import data_parallel_group
 
-__all__ = ["DIAGNOSTIC", "GradientNorms", "clip_bias_gradient_norms", "graph_leaves"]
+__all__ = ["DIAGNOSTIC", "GradientNorms", "SecondBackwardUnsafe", "clip_bias_gradient_norms", "graph_leaves"]
+
+
+class SecondBackwardUnsafe(RuntimeError):
+    """The graph of ``log_prob`` cannot be differentiated a second time (the message names the fix)."""
 
 
 def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
@@ -61,14 +68,15 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
             continue
         name = type(node).__name__
         if getattr(node, "inplace_backward", False):
-            raise RuntimeError(
-                f"sorl_verl: clip_bias_grad needs a second backward through log_prob, but {name} computes its "
+            raise SecondBackwardUnsafe(
+                f"sorl_verl: C(theta) needs a second backward through log_prob, but {name} computes its "
                 "gradient in place of its saved input (flash-attn's cross-entropy with inplace_backward): set "
-                "VERL_DISABLE_FLASH_ATTN_CE=1 in the workers' environment"
+                "VERL_DISABLE_FLASH_ATTN_CE=1 in the workers' environment or "
+                "actor_rollout_ref.actor.calculate_entropy=True"
             )
         if name == "CheckpointFunctionBackward":
-            raise RuntimeError(
-                "sorl_verl: clip_bias_grad cannot see the parameters inside reentrant activation checkpointing "
+            raise SecondBackwardUnsafe(
+                "sorl_verl: C(theta) cannot see the parameters inside reentrant activation checkpointing "
                 "(torch.utils.checkpoint with use_reentrant=True): use use_reentrant=False"
             )
         stack.extend(next_node for next_node, _ in node.next_functions)
@@ -134,23 +142,36 @@ class GradientNorms:
     computed: bool
 
 
+_WARNED: set[str] = set()
+
+
 def clip_bias_gradient_norms(
     log_prob: torch.Tensor,
     removed: torch.Tensor,
     unclipped: Callable[[], torch.Tensor] | None,
     scope: str,
-) -> GradientNorms:
+    strict: bool = True,
+) -> GradientNorms | None:
     """``||C(theta)||`` (and the relative form when ``unclipped`` gives ``dl_u/dd``) for cotangent ``removed = delta``.
 
     ``log_prob`` must carry the actor's graph. Every rank of the data-parallel group must call this
     on the same micro-batches (module docstring). Costs one backward (two for the relative form),
-    none when ``delta = 0`` on every rank.
+    none when ``delta = 0`` on every rank. A graph that cannot be differentiated twice raises
+    :class:`SecondBackwardUnsafe` if ``strict``, else gives None (one warning per process).
     """
     zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
     local_any = bool(torch.count_nonzero(removed) > 0)
     if not _all_ranks_any(local_any, log_prob.device):
         return GradientNorms(zero, zero if unclipped is not None else None, False)
-    leaves = graph_leaves(log_prob)
+    try:
+        leaves = graph_leaves(log_prob)
+    except SecondBackwardUnsafe as exc:
+        if strict:
+            raise
+        if str(exc) not in _WARNED:
+            _WARNED.add(str(exc))
+            warnings.warn(f"{exc}; sorl/clip_bias_grad_norm is not logged", RuntimeWarning, stacklevel=2)
+        return None
     if not leaves:
         return GradientNorms(zero, zero if unclipped is not None else None, False)
     norm = _vjp_norm(log_prob, removed, leaves, scope)

@@ -93,16 +93,18 @@ def clip_bias_gradient(
     rollout_is_weights: torch.Tensor | None,
     scope: str,
     relative: bool,
-) -> GradientNorms:
+    strict: bool,
+) -> GradientNorms | None:
     """``||C(theta)||`` (and ``/ ||grad l_u||`` if ``relative``) of one micro-batch; ``terms`` built with
-    ``directions=True``. A micro-batch without policy tokens contributes ``delta = 0``."""
+    ``directions=True``. A micro-batch without policy tokens contributes ``delta = 0``. None where the
+    graph cannot be differentiated twice and not ``strict`` (the diagnostic)."""
     dtype = terms.update_sq.dtype
     if bool(mask.any()):
         weights = aggregation_weights(mask, loss_agg_mode, config, dtype, rollout_is_weights)
     else:  # no token: no weights to take (0/0), and delta = 0
         weights = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     unclipped = (lambda: terms.unclipped(weights)) if relative else None
-    return clip_bias_gradient_norms(log_prob, terms.removed(weights), unclipped, scope)
+    return clip_bias_gradient_norms(log_prob, terms.removed(weights), unclipped, scope, strict)
 
 
 def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
@@ -175,7 +177,15 @@ def sorl_policy_loss(
     if take_gradient:
         relative = by_gradient and knobs.clip_norm_reference == "gradient_relative"
         grad_norms = clip_bias_gradient(
-            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, relative
+            terms,
+            log_prob,
+            mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
+            knobs.clip_norm_scope,
+            relative,
+            strict=by_gradient,
         )
     pg_losses = terms.pg_losses
     zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
@@ -360,9 +370,10 @@ def compute_policy_loss_vanilla_diag(
         with torch.no_grad():
             terms = surrogate(old_log_prob, log_prob.detach(), advantages, mask, None, clip, directions=True)
         grad_norms = clip_bias_gradient(
-            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, relative=False
+            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, False, False
         )
-        metrics = {**metrics, "sorl/clip_bias_grad_norm": float(grad_norms.norm)}
+        if grad_norms is not None:
+            metrics = {**metrics, "sorl/clip_bias_grad_norm": float(grad_norms.norm)}
     return pg_loss, metrics
 
 

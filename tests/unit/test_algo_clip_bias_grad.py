@@ -12,7 +12,7 @@ from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla, g
 from verl.workers.config import ActorConfig
 
 from sorl_verl.algorithms import optim
-from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, graph_leaves
+from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, SecondBackwardUnsafe, graph_leaves
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_vanilla_diag
 
@@ -294,3 +294,29 @@ def test_graph_leaves_are_the_parameters_the_forward_used():
 def test_bad_reference_fails_naming_the_knob(bad):
     with pytest.raises(ValueError, match="clip_norm_reference"):
         SORLPolicyLossConfig(clip_norm_reference=bad)
+
+
+class InplaceBackwardLike(torch.autograd.Function):
+    """Stands in for flash-attn's cross-entropy: its node carries ``inplace_backward = True``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.inplace_backward = True
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_graph_that_cannot_be_differentiated_twice_fails_the_reference_and_skips_the_diagnostic():
+    model, ids, old, adv, mask = problem(seed=37)
+    with pytest.raises(SecondBackwardUnsafe, match="VERL_DISABLE_FLASH_ATTN_CE=1"):
+        get_policy_loss_fn("so_grpo")(old, InplaceBackwardLike.apply(model(ids)), adv, mask, "token-mean", config())
+    DIAGNOSTIC.due = True
+    with pytest.warns(RuntimeWarning, match="not logged"):
+        loss, metrics = get_policy_loss_fn("so_grpo")(
+            old, InplaceBackwardLike.apply(model(ids)), adv, mask, "token-mean", config("relative", tau=0.2)
+        )
+    assert "sorl/clip_bias_grad_norm" not in metrics
+    loss.backward()  # the run goes on
