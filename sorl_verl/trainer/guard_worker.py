@@ -40,8 +40,8 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, scale:
         )
     new_base = [group["initial_lr"] * scale for group in groups]
     for group, old, new in zip(groups, base_lrs, new_base, strict=True):
-        # the schedule's current multiplier, lr / base, carried over to the new base
-        group["lr"] = new if old == 0 else group["lr"] / old * new
+        if new != old:  # the schedule's current multiplier, lr / base, carried over to the new base
+            group["lr"] = new if old == 0 else group["lr"] / old * new
     scheduler.base_lrs = new_base
     return [group["lr"] for group in groups]
 

@@ -131,3 +131,11 @@ def test_start_up_checks_name_the_knob():
         bad = trainer_config(**{f"actor_rollout_ref.actor.policy_loss.{key}": value})
         with pytest.raises(ValueError, match=r"sorl\.guard\.backoff_target=clip_norm_tau"):
             check_guard_against_trainer(bad, tau)
+
+
+def test_unit_scale_leaves_the_schedule_bit_for_bit():
+    opt, sched = make("cosine")
+    reference_opt, reference_sched = make("cosine")
+    lrs_over(opt, sched, 3)
+    scale_learning_rate(opt, sched, 1.0)
+    assert lrs_over(opt, sched, 5) == lrs_over(reference_opt, reference_sched, 8)[3:]
