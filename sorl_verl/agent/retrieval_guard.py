@@ -8,7 +8,7 @@ every trajectory of a worker process:
   episodes wait on the same request. A failure raises :class:`RetrievalUnavailableError` naming
   the URL and the error (and every later episode of that process raises it at once), so the
   rollout, and with it the verl run, stops instead of training on "Search failed" observations.
-- ``record``: after each search, whether it failed (the retrieval client's failure notice). When
+- ``record``: after each search, whether it failed (the client's ``Observation.failed``). When
   the last ``window`` searches hold more than ``max_failure_rate`` failures, it raises the same
   error with the counts and the last failure.
 
@@ -25,6 +25,10 @@ import weakref
 from collections import deque
 from typing import Any
 
+from sorl_verl.agent.settings import search_agent_settings
+
+__all__ = ["RetrievalGuard", "RetrievalUnavailableError", "preflight_from_config", "search_agent_settings"]
+
 PREFLIGHT_QUERY = "retrieval preflight check"
 
 
@@ -32,27 +36,22 @@ class RetrievalUnavailableError(RuntimeError):
     """The retrieval server cannot serve the agent; the message names the URL and the fix."""
 
 
-def search_failed(observation: str) -> bool:
-    """True when the observation is the retrieval client's failure notice (not documents)."""
-    from sorl_verl.retrieval.client import SEARCH_FAILED_PREFIX
-
-    return observation.startswith(SEARCH_FAILED_PREFIX)
-
-
 async def probe(searcher: Any) -> None:
     """One real search through ``searcher``; raises with the reason when it fails.
 
     Uses the client's own preflight (``check``) when it has one, else ``retrieve`` (raises on
-    failure), else ``search`` (failure notice).
+    failure), else ``observe`` (an ``Observation`` with ``failed``), else ``search`` (raises only).
     """
     if callable(getattr(searcher, "check", None)):
         await searcher.check()
     elif callable(getattr(searcher, "retrieve", None)):
         await searcher.retrieve([PREFLIGHT_QUERY], 1)
+    elif callable(getattr(searcher, "observe", None)):
+        result = await searcher.observe(PREFLIGHT_QUERY, 1)
+        if result.failed:
+            raise RuntimeError(result.text)
     else:
-        text = await searcher.search(PREFLIGHT_QUERY, 1)
-        if search_failed(text):
-            raise RuntimeError(text)
+        await searcher.search(PREFLIGHT_QUERY, 1)
 
 
 class RetrievalGuard:
@@ -106,28 +105,6 @@ def shared_guard(url: str, window: int, max_failure_rate: float, loop: Any) -> R
     if key not in per_loop:
         per_loop[key] = RetrievalGuard(url, window, max_failure_rate)
     return per_loop[key]
-
-
-def search_agent_settings(config: Any) -> Any:
-    """The ``search_r1`` settings a run with trainer ``config`` would use: the agent-loop YAML entry
-    (``rollout.agent.agent_loop_config_path``), ``sorl.agent`` and the environment, as the loop
-    resolves them; None when the run does not use the ``search_r1`` loop by default."""
-    from omegaconf import OmegaConf
-
-    from sorl_verl.agent import AGENT_LOOP_NAME
-    from sorl_verl.agent.search_r1_loop import _trainer_section
-    from sorl_verl.agent.settings import SearchAgentSettings
-
-    agent = OmegaConf.select(config, "actor_rollout_ref.rollout.agent") or {}
-    if agent.get("default_agent_loop") != AGENT_LOOP_NAME:
-        return None
-    loop_kwargs: dict[str, Any] = {}
-    path = agent.get("agent_loop_config_path")
-    if path:
-        for entry in OmegaConf.load(path):
-            if entry.get("name") == AGENT_LOOP_NAME:
-                loop_kwargs = {k: v for k, v in OmegaConf.to_container(entry).items() if k not in ("name", "_target_")}
-    return SearchAgentSettings.resolve(loop_kwargs, _trainer_section(config))
 
 
 def preflight_from_config(config: Any) -> None:

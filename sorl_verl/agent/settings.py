@@ -117,3 +117,34 @@ class SearchAgentSettings:
             default = getattr(cls, name)
             values[name] = _as_bool(name, value) if isinstance(default, bool) else type(default)(value)
         return cls(**values)
+
+
+def trainer_section(config: Any) -> dict[str, Any] | None:
+    """The trainer config's ``sorl.agent`` section as a plain dict (None when absent)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    section = config.get("sorl", None) if isinstance(config, DictConfig | dict) else None
+    section = section.get("agent", None) if section is not None else None
+    if isinstance(section, DictConfig):
+        return OmegaConf.to_container(section, resolve=True)
+    return dict(section) if section else None
+
+
+def search_agent_settings(config: Any) -> SearchAgentSettings | None:
+    """The ``search_r1`` settings a run with trainer ``config`` would use: the agent-loop YAML entry
+    (``rollout.agent.agent_loop_config_path``), ``sorl.agent`` and the environment, as the loop
+    resolves them; None when the run does not use the ``search_r1`` loop by default."""
+    from omegaconf import OmegaConf
+
+    from sorl_verl.agent import AGENT_LOOP_NAME
+
+    agent = OmegaConf.select(config, "actor_rollout_ref.rollout.agent") or {}
+    if agent.get("default_agent_loop") != AGENT_LOOP_NAME:
+        return None
+    loop_kwargs: dict[str, Any] = {}
+    path = agent.get("agent_loop_config_path")
+    if path:
+        for entry in OmegaConf.load(path):
+            if entry.get("name") == AGENT_LOOP_NAME:
+                loop_kwargs = {k: v for k, v in OmegaConf.to_container(entry).items() if k not in ("name", "_target_")}
+    return SearchAgentSettings.resolve(loop_kwargs, trainer_section(config))

@@ -13,8 +13,8 @@ where each world states its facts in its own words (:mod:`sorl_verl.embedded.qa_
 retriever (:func:`make_observer`). Policy segments have loss mask 1; prompt and observations 0,
 as in RL. The SFT loss is the mean token cross-entropy over mask-1 tokens.
 
-The evaluation loop (:func:`greedy_rollouts`) generates with stop tokens ``</search>`` /
-``</answer>`` / EOS, runs each search through the same observer and appends the observation.
+The evaluation loop (:func:`greedy_rollouts`) runs the training agent loop's turn logic
+(:mod:`sorl_verl.agent.episode`) with the model generating and the same observer searching.
 """
 
 from __future__ import annotations
@@ -238,57 +238,18 @@ def train_sft(
     return losses
 
 
-def _cut_at_stop(new: list[int], stops: set[int], pad_id: int) -> list[int]:
-    out = []
-    for t in new:
-        if t == pad_id and not out:
-            continue
-        out.append(t)
-        if t in stops:
-            break
-    return out
-
-
-#: rows of token ids -> the new tokens of each row (a turn: up to and including a stop token)
+#: rows of token ids -> the new tokens of each row (a turn: up to and including a stop tag)
 GenerateFn = Callable[[list[list[int]]], list[list[int]]]
 
 
 def hf_greedy_generate(model, tokenizer, max_tokens_per_turn: int = 48, temperature: float = 0.0) -> GenerateFn:
-    """Batched ``model.generate`` (left padding) stopping at ``</search>``, ``</answer>``, EOS.
+    """Batched ``model.generate`` (:func:`sorl_verl.agent.hf_generate.hf_generate`) of up to
+    ``max_tokens_per_turn`` tokens per row, stopping at ``</search>``, ``</answer>``, EOS; greedy
+    when ``temperature`` is 0, else plain sampling at that temperature, as an RL rollout samples."""
+    from sorl_verl.agent.hf_generate import hf_generate
 
-    Greedy when ``temperature`` is 0, else plain sampling at that temperature (no top-k/top-p),
-    as an RL rollout samples.
-    """
-    import torch
-
-    pad = tokenizer.pad_token_id
-    stops = _stop_ids(tokenizer)
-
-    def generate(rows: list[list[int]]) -> list[list[int]]:
-        width = max(map(len, rows))
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        with torch.no_grad():
-            sampling = (
-                {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-                if temperature > 0
-                else {"do_sample": False}
-            )
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=attn,
-                max_new_tokens=max_tokens_per_turn,
-                eos_token_id=sorted(stops),
-                pad_token_id=pad,
-                **sampling,
-            )
-        return [_cut_at_stop(out[row, width:].tolist(), stops, pad) for row in range(len(rows))]
-
-    return generate
-
-
-def _stop_ids(tokenizer) -> set[int]:
-    return {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids([SEARCH_CLOSE, ANSWER_CLOSE])}
+    generate = hf_generate(model, tokenizer, temperature)
+    return lambda rows: generate(rows, [max_tokens_per_turn] * len(rows))
 
 
 def greedy_rollouts(
@@ -303,39 +264,33 @@ def greedy_rollouts(
     generate: GenerateFn | None = None,
     temperature: float = 0.0,
     prompt_of: Callable[[dict[str, Any]], str] | None = None,
+    max_obs_tokens: int = 512,
 ) -> list[str]:
     """Multi-turn rollouts with retrieval in the loop; returns each decoded response.
 
-    Each turn generates (``model`` greedy, or sampled at ``temperature``, unless ``generate`` is given); a turn ending in
-    ``</search>`` gets ``information_block(observe(query))`` appended and continues, anything
-    else ends the episode, as does reaching ``max_turns`` or ``max_response_tokens``. ``prompt_of(question)``
-    gives the user message (default ``qa_prompt(question["question"])``).
+    The turns follow the training agent loop (:mod:`sorl_verl.agent.episode`): a turn is cut at
+    its first stop tag; ``</search>`` gets ``information_block(observe(query))`` (escaped, at
+    most ``max_obs_tokens`` tokens), an invalid turn the corrective feedback; the episode ends at an
+    answer, after ``max_turns`` turns (a search on the last turn is not run) or at
+    ``max_response_tokens``. Turns come from ``generate`` (rows -> new tokens per row), by default
+    ``model`` greedy, or sampled at ``temperature``, ``max_tokens_per_turn`` tokens at most.
+    ``prompt_of(question)`` gives the user message (default ``qa_prompt(question["question"])``).
     """
+    from sorl_verl.agent.episode import Episode, EpisodeFormat, EpisodeLimits, run_episodes
+
     generate = generate or hf_greedy_generate(model, tokenizer, max_tokens_per_turn, temperature)
-    search_close = tokenizer.convert_tokens_to_ids(SEARCH_CLOSE)
+    limits = EpisodeLimits(max_turns, max_response_tokens, max_tokens_per_turn, max_obs_tokens)
+    fmt = EpisodeFormat(tokenizer, limits)
     responses: list[str] = []
     for start in range(0, len(questions), batch_size):
         chunk = questions[start : start + batch_size]
-        prompts = [prompt_ids(tokenizer, q["question"], prompt_of(q) if prompt_of else None) for q in chunk]
-        resp: list[list[int]] = [[] for _ in chunk]
-        active = list(range(len(chunk)))
-        for _ in range(max_turns):
-            if not active:
-                break
-            news = generate([prompts[i] + resp[i] for i in active])
-            searches: list[tuple[int, str]] = []
-            for i, new in zip(active, news, strict=True):
-                resp[i] += new
-                if new and new[-1] == search_close:
-                    text = tokenizer.decode(new)
-                    searches.append((i, text.rsplit(SEARCH_OPEN, 1)[-1].split(SEARCH_CLOSE, 1)[0].strip()))
-            results = observe([q for _, q in searches]) if searches else []
-            active = []
-            for (i, _), obs in zip(searches, results, strict=True):
-                resp[i] += tokenizer(information_block(obs), add_special_tokens=False)["input_ids"]
-                if len(resp[i]) < max_response_tokens:
-                    active.append(i)
-        responses += [tokenizer.decode(r, skip_special_tokens=False) for r in resp]
+        episodes = [
+            Episode(fmt, prompt_ids(tokenizer, q["question"], prompt_of(q) if prompt_of else None)) for q in chunk
+        ]
+        run_episodes(
+            episodes, lambda rows, budgets: [new[:b] for new, b in zip(generate(rows), budgets, strict=True)], observe
+        )
+        responses += [tokenizer.decode(e.response_ids, skip_special_tokens=False) for e in episodes]
     return responses
 
 

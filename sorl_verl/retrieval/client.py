@@ -1,8 +1,9 @@
 """Async client of the retrieval server, as the search agent uses it.
 
 ``RetrievalClient.retrieve`` returns raw hits and raises :class:`RetrievalError` after bounded
-retries; ``RetrievalClient.search`` never raises: it returns the observation text the agent
-shows the model, either the formatted documents or a short failure notice.
+retries; ``RetrievalClient.observe`` never raises: it returns an :class:`Observation`, the text
+the agent shows the model (the formatted documents or a short failure notice) and whether the
+search failed; ``RetrievalClient.search`` returns only that text.
 ``RetrievalClient.check`` is a preflight: one real search per server, raising
 :class:`RetrievalError` naming every URL that failed.
 
@@ -75,6 +76,19 @@ def format_documents(docs: Sequence[dict[str, Any]]) -> str:
 def failure_text(reason: str) -> str:
     """Observation shown to the model when a search could not be answered."""
     return f"{SEARCH_FAILED_PREFIX} ({reason}). Try the search again, or answer with what you already know."
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The outcome of one search as the agent sees it: ``text`` for the model (documents or a
+    failure notice) and ``failed``, whether the search could not be answered."""
+
+    text: str
+    failed: bool = False
+
+    @classmethod
+    def failure(cls, reason: str) -> Observation:
+        return cls(failure_text(reason), failed=True)
 
 
 def _hit(item: Any, url: str) -> dict[str, Any]:
@@ -284,8 +298,8 @@ class RetrievalClient:
                 f"retrieval preflight failed for {len(failures)} of {len(self.urls)} server(s): " + "; ".join(failures)
             )
 
-    async def search(self, query: str, topk: int | None = None) -> str:
-        """Observation text for one query; never raises (failures become a notice for the model)."""
+    async def observe(self, query: str, topk: int | None = None) -> Observation:
+        """The :class:`Observation` of one query; never raises (a failure is a notice for the model)."""
         try:
             (hits,) = await self.retrieve([query], topk)
         except asyncio.CancelledError:
@@ -293,12 +307,16 @@ class RetrievalClient:
         except RetrievalError as e:
             logger.warning("search %r failed: %s", query[:80], e)
             if not e.retryable and e.status is not None and 400 <= e.status < 500:
-                return failure_text(f"the search service rejected the query: {str(e)[:160]}")
-            return failure_text("the search service is unavailable")
+                return Observation.failure(f"the search service rejected the query: {str(e)[:160]}")
+            return Observation.failure("the search service is unavailable")
         except Exception as e:  # noqa: BLE001 - the episode must go on whatever happens
             logger.warning("search %r failed unexpectedly: %r", query[:80], e)
-            return failure_text("unexpected error")
-        return format_documents(hits)
+            return Observation.failure("unexpected error")
+        return Observation(format_documents(hits))
+
+    async def search(self, query: str, topk: int | None = None) -> str:
+        """Observation text for one query (:meth:`observe`'s ``text``); never raises."""
+        return (await self.observe(query, topk)).text
 
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:

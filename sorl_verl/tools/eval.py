@@ -14,10 +14,10 @@ Three ways in, one table out (``<out-dir>/eval.md``, ``<out-dir>/eval.csv``):
   ``data_source``, ``response`` and ``ground_truth`` (the parquet ``reward_model.ground_truth``).
 * ``--model CKPT --data TEST.parquet ...``: the slow fallback. Greedy generation with Hugging
   Face transformers, one episode at a time (no batching, no vLLM: hours for 7 x 500 episodes of a
-  3B model; meant for small models and spot checks) running the same think -> search ->
-  information -> answer loop as the ``search_r1`` agent (same action parsing, observation escaping
-  and document formatting), against the retrieval server at ``--retrieval-url`` (default
-  ``$SORL_RETRIEVAL_URL``). Generations are saved to ``<out-dir>/generations.jsonl``.
+  3B model; meant for small models and spot checks) running the ``search_r1`` agent's turn logic
+  (:mod:`sorl_verl.agent.episode`: stop tags, observation escaping and truncation, feedback,
+  turn limits), with the project's retrieval client against the server at ``--retrieval-url``
+  (default ``$SORL_RETRIEVAL_URL``). Generations are saved to ``<out-dir>/generations.jsonl``.
 
 Scores come from the project's reward function (``sorl_verl.rewards.score.compute_score``): EM
 and F1 on the last ``<answer>`` for open-domain QA, letter match (reported as EM and F1) for
@@ -27,22 +27,18 @@ multiple choice. The ``average`` row is the unweighted mean over data sources.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.agent.actions import INVALID_ACTION_FEEDBACK, escape_observation, first_stop, parse_action
-from sorl_verl.agent.prompts import information_block
 from sorl_verl.agent.settings import DEFAULT_RETRIEVAL_URL, URL_ENV
-from sorl_verl.retrieval.client import failure_text, format_documents
 from sorl_verl.rewards.score import compute_score
 from sorl_verl.study.metrics import parse_val_key, read_records
 
@@ -256,154 +252,87 @@ def checkpoint_steps(directory: str | Path) -> list[int]:
 # --- generation -----------------------------------------------------------------------------
 
 
-class Retriever:
-    """Blocking client of the Search-R1-compatible ``POST /retrieve``; failures become text."""
-
-    def __init__(self, url: str, topk: int, timeout: float = 10.0) -> None:
-        self.url, self.topk, self.timeout = url, topk, timeout
-
-    def __call__(self, query: str) -> str:
-        body = json.dumps({"queries": [query], "topk": self.topk, "return_scores": True}).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                hits = json.loads(response.read())["result"][0]
-        except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
-            return failure_text(type(exc).__name__)
-        return format_documents(hits)
-
-
 class SearchAgent:
-    """Greedy HF generation of one episode in token space, as the ``search_r1`` agent loop does it:
-    the context is prompt ids + each turn's generated ids (cut after the token that completes the
-    first stop tag) + each observation encoded on its own (``information_block`` of the escaped
-    text, at most ``max_obs_tokens`` tokens, closing tag kept). Never re-tokenizes generated text,
-    so the model sees exactly the token sequence it would see in training."""
+    """Episodes through the training loop's turn logic (:mod:`sorl_verl.agent.episode`): the
+    context is prompt ids + each turn's generated ids (cut after the token that completes the first
+    stop tag) + each observation encoded on its own, so the model sees exactly the token sequence it
+    would see in training. ``generate_batch`` makes the turns (:meth:`from_pretrained`: greedy HF
+    generation); searches go through the project's retrieval client at ``retrieval_url``
+    (:func:`generate`). ``limits``: by default no response budget, ``max_turns`` turns of at most
+    ``max_new_tokens`` tokens."""
 
-    def __init__(
-        self,
+    def __init__(self, tokenizer: Any, generate_batch: Any, retrieval_url: str, topk: int, limits: Any) -> None:
+        from sorl_verl.agent.episode import EpisodeFormat
+
+        self.tokenizer, self.generate_batch = tokenizer, generate_batch
+        self.format = EpisodeFormat(tokenizer, limits)
+        self.retrieval_url, self.topk = retrieval_url, topk
+
+    @classmethod
+    def from_pretrained(
+        cls,
         model_path: str,
-        retriever: Retriever,
+        retrieval_url: str,
+        topk: int = 3,
         max_turns: int = 4,
         max_new_tokens: int = 500,
         max_obs_tokens: int = 500,
         device: str = "cpu",
-    ) -> None:
-        import torch
+    ) -> SearchAgent:
+        """Greedy generation with the HF checkpoint at ``model_path``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from sorl_verl.agent.search_r1_loop import TRUNCATION_MARK  # imports verl: only when generating
+        from sorl_verl.agent.episode import EpisodeLimits
+        from sorl_verl.agent.hf_generate import hf_generate
 
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
-        self.retriever, self.device = retriever, device
-        self.max_turns, self.max_new_tokens, self.max_obs_tokens = max_turns, max_new_tokens, max_obs_tokens
-        specials = {str(t) for t in getattr(self.tokenizer, "all_special_tokens", []) or []}
-        specials |= {
-            str(t) for t in (self.tokenizer.added_tokens_decoder or {}).values() if getattr(t, "special", False)
-        }
-        self._specials = sorted((t for t in specials if len(t) > 1), key=len, reverse=True)
-        head, tail = information_block("\x00").split("\x00")
-        self._head, self._tail, self._mark = self._encode(head), self._encode(tail), self._encode(TRUNCATION_MARK)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path).to(device).eval()
+        limits = EpisodeLimits(max_turns, None, max_tokens_per_turn=max_new_tokens, max_obs_tokens=max_obs_tokens)
+        return cls(tokenizer, hf_generate(model, tokenizer), retrieval_url, topk, limits)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         else:
             text = "\n".join(m["content"] for m in messages) + "\n"
-        return self._encode(text)
+        return self.format.encode(text)
 
-    def cut_at_stop(self, ids: list[int]) -> int:
-        """Tokens to keep: up to and including the one that completes the first stop tag (all if none)."""
-        if first_stop(self._decode(ids)) is None:
-            return len(ids)
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if first_stop(self._decode(ids[:mid])) is None:
-                lo = mid + 1
-            else:
-                hi = mid
-        return hi
+    async def episode(self, messages: Sequence[Mapping[str, str]], search: Any) -> Any:
+        """One :class:`~sorl_verl.agent.episode.Episode` (``search``: async query -> observation text)."""
+        from sorl_verl.agent.episode import Episode, run_episode
 
-    def _generate_turn(self, context: list[int]) -> list[int]:
-        """Greedy continuation of ``context``, cut after the first stop tag."""
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        async def generate(context: list[int], budget: int) -> tuple[list[int], None]:
+            return self.generate_batch([context], [budget])[0], None
 
-        ids = self.torch.tensor([context], device=self.device)
-        start, decode = ids.shape[1], self._decode
+        return await run_episode(Episode(self.format, self.prompt_ids(messages)), generate, search)
 
-        class StopAtTag(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):  # noqa: ARG002 - transformers' signature
-                return first_stop(decode(input_ids[0, start:].tolist())) is not None
-
-        with self.torch.no_grad():
-            out = self.model.generate(
-                ids,
-                attention_mask=self.torch.ones_like(ids),
-                max_new_tokens=self.max_new_tokens,
-                do_sample=False,
-                stopping_criteria=StoppingCriteriaList([StopAtTag()]),
-                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-            )
-        new = out[0, start:].tolist()
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id in new:
-            new = new[: new.index(self.tokenizer.eos_token_id) + 1]
-        return new[: self.cut_at_stop(new)]
-
-    def observation_ids(self, text: str, escape: bool = True) -> list[int]:
-        """``information_block`` of the escaped text, special-token strings neutralized, capped."""
-        safe = escape_observation(text) if escape else text
-        for special in self._specials:
-            if special in safe:
-                safe = safe.replace(
-                    special, special.replace("<", "&lt;", 1) if "<" in special else f"{special[0]} {special[1:]}"
-                )
-        ids = self._encode(information_block(safe))
-        if len(ids) <= self.max_obs_tokens:
-            return ids
-        room = self.max_obs_tokens - len(self._head) - len(self._tail) - len(self._mark)
-        return self._head + self._encode(safe)[: max(room, 0)] + self._mark + self._tail
-
-    def run(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
-        """One episode: the response text (model turns + observations) and its counters."""
-        prompt, response, searches, turns = self.prompt_ids(messages), [], 0, 0
-        for turn in range(self.max_turns):
-            new = self._generate_turn(prompt + response)
-            response += new
-            turns += 1
-            action = parse_action(self._decode(new))
-            if action.kind == "answer" or turn == self.max_turns - 1:
-                break
-            if action.kind == "search":
-                searches += 1
-                response += self.observation_ids(self.retriever(action.content))
-            else:
-                response += self.observation_ids(INVALID_ACTION_FEEDBACK, escape=False)
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
-        return {"response": text, "searches": searches, "turns": turns}
+    async def run(self, messages: Sequence[Mapping[str, str]], search: Any) -> dict[str, Any]:
+        """One episode's response text (model turns + observations) and its counters."""
+        episode = await self.episode(messages, search)
+        text = self.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
+        return {"response": text, "searches": episode.searches, "turns": episode.turns}
 
 
 def generate(rows: Sequence[dict[str, Any]], agent: SearchAgent, out_path: Path) -> list[dict[str, Any]]:
     """Run ``agent`` on every row; write and return generations rows (rescorable later)."""
+    from sorl_verl.retrieval.client import RetrievalClient
+
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    results = []
+
+    async def run_all(fh: Any) -> list[dict[str, Any]]:
+        results = []
+        async with RetrievalClient(agent.retrieval_url, topk=agent.topk) as client:
+            for i, row in enumerate(rows):
+                episode = await agent.run(row["prompt"], client.search)
+                record = {"data_source": row["data_source"], "ground_truth": row["ground_truth"], **episode}
+                fh.write(json.dumps(record) + "\n")
+                results.append(record)
+                if (i + 1) % 50 == 0:
+                    print(f"generated {i + 1}/{len(rows)}", file=sys.stderr)
+        return results
+
     with out_path.open("w") as fh:
-        for i, row in enumerate(rows):
-            episode = agent.run(row["prompt"])
-            record = {"data_source": row["data_source"], "ground_truth": row["ground_truth"], **episode}
-            fh.write(json.dumps(record) + "\n")
-            results.append(record)
-            if (i + 1) % 50 == 0:
-                print(f"generated {i + 1}/{len(rows)}", file=sys.stderr)
-    return results
+        return asyncio.run(run_all(fh))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -451,9 +380,14 @@ def _tables(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[T
         import torch
 
         torch.set_num_threads(args.threads)
-        retriever = Retriever(args.retrieval_url, args.topk)
-        agent = SearchAgent(
-            args.model, retriever, args.max_turns, args.max_new_tokens, args.max_obs_tokens, args.device
+        agent = SearchAgent.from_pretrained(
+            args.model,
+            args.retrieval_url,
+            args.topk,
+            args.max_turns,
+            args.max_new_tokens,
+            args.max_obs_tokens,
+            args.device,
         )
         return [
             Table(

@@ -162,7 +162,8 @@ def test_rollout_loop_scores_scripted_policies(built) -> None:
         return [tok("<search> x </search>", add_special_tokens=False)["input_ids"] for _ in rows]
 
     resp = greedy_rollouts(None, tok, qs[:2], observe, max_turns=3, generate=searcher_forever)
-    assert all(r.count(INFO_OPEN) == 3 and ANSWER_CLOSE not in r for r in resp)
+    # as in training: turns 1 and 2 get their observation, the search asked for on the last turn is not run
+    assert all(r.count(INFO_OPEN) == 2 and r.count(SEARCH_CLOSE) == 3 and ANSWER_CLOSE not in r for r in resp)
 
 
 def test_parquet_and_tokenizer_load_in_verl_rl_dataset(built, tmp_path) -> None:

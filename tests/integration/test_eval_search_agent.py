@@ -52,7 +52,8 @@ def chain_model(tmp_path_factory) -> Path:
         [pre_tokenizers.Split(Regex(r"<\|?/?[a-z_]+\|?>"), "isolated"), pre_tokenizers.WhitespaceSplit()]
     )
     # the observation's words are whole tokens too, so the retrieved text survives decoding
-    observations = information_block(format_documents(CORPUS)) + information_block(failure_text("URLError"))
+    unavailable = failure_text("the search service is unavailable")  # the retrieval client's notice
+    observations = information_block(format_documents(CORPUS)) + information_block(unavailable)
     observed = [piece for piece, _ in pre.pre_tokenize_str(observations)]
     words = list(dict.fromkeys(WORDS + observed))
     words += [f"pad{i}" for i in range(-len(words) % 4)]  # hidden = vocab size: 2 heads of even size
@@ -164,7 +165,9 @@ def test_unreachable_server_and_turn_budget(eval_script, chain_model, test_sets,
                       "--retrieval-url", dead, "--max-new-tokens", "8", "--max-per-source", "1"])  # fmt: skip
     rows = [json.loads(x) for x in (tmp_path / "a" / "generations.jsonl").read_text().splitlines()]
     assert [r["data_source"] for r in rows] == ["nq", "hotpotqa"]  # --max-per-source 1
-    assert all("<information> Search failed (URLError). Try the search again" in r["response"] for r in rows)
+    # the project's retrieval client's failure notice (after its retries)
+    failed = "<information> Search failed (the search service is unavailable). Try the search again"
+    assert all(failed in r["response"] for r in rows)
     _assert_row(_table(tmp_path / "a")["nq"], 1, 1.0, 1.0, 1.0)  # still answers after the failed search
     # one turn only: a search asked for on the last turn is not run, so nothing is answered
     eval_script.main(["--model", str(chain_model), "--data", str(test_sets[0]), "--out-dir", str(tmp_path / "b"),
