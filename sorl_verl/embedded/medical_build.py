@@ -10,7 +10,7 @@ inputs, so changing a parameter rebuilds that step and everything downstream::
     index/      BM25 index of the corpus                            (sorl_verl.retrieval.build.build_index)
     tokenizer/  byte-level BPE + chat template                      (tokenizer.train_tokenizer)
     model/      tiny Qwen2ForCausalLM SFT warm-started on expert trajectories that answer with the gold
-                option's text (``checks``), tokenizer files and warmstart.json (losses, timings, greedy
+                option's text, tokenizer files and warmstart.json (losses, timings, greedy
                 and T=1 success)
     report.json build seconds of each step and the warm-start report
 
@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.embedded.medical_trajectories import DEFAULT_CHECKS, OPTION_MARKERS, check_style
-from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorld, MedicalWorldConfig
+from sorl_verl.embedded.medical_world import QUESTION_TYPES, MedicalWorldConfig
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
     build_bm25_step,
@@ -47,7 +46,6 @@ from sorl_verl.embedded.warmstart import TOPK, Observer, SFTConfig
 #: bump when the content a step produces changes for the same parameters
 BUILD_VERSION = 3  # 2: trajectories check the options in letter order up to the gold one; 3: twin worlds
 TAG = "embedded-medical"
-TWIN_SEED_OFFSET = 1000
 SPLITS = ("train", "val", "test")
 
 
@@ -68,28 +66,8 @@ class MedicalEmbeddedConfig:
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=MEDICAL_SFT_STEPS))
     #: SFT trajectories per question type of the world itself (small types get extra option draws)
     sft_per_type: int = 300
-    #: twin worlds (same names, other facts: :func:`generate_medical_world` ``twin_of``) whose every question
-    #: adds an SFT trajectory, over the twin's own BM25 index; seeds ``world.seed + TWIN_SEED_OFFSET + i``.
-    #: Off by default: an experiment (3 twins, 100 per type, 800 steps) taught the model to copy names but
-    #: left greedy success at chance (0.19, n = 90) and costs ~15 CPU-minutes (docs/embedded-default.md)
-    sft_twin_worlds: int = 0
-    #: how the final turn names the answer, one of ``medical_trajectories.CHECK_STYLES``: ``text`` (default:
-    #: the option's text, read by the MCQ reward as that option), or a letter after option checks
-    #: (``inline``, ``lines``, ``block``), a tag (``tag``) or the answer's option line (``gold_line``); every
-    #: letter style left the warm-start at chance (docs/embedded-default.md has what each measured)
-    checks: str = DEFAULT_CHECKS
-    #: the option markers ``"\\nA."`` .. ``"\\nE."`` (``medical_trajectories.OPTION_MARKERS``) as whole tokens of
-    #: the tokenizer (an experiment, off: with ``checks="block"`` it stayed at chance after 1000 and 2000 SFT
-    #: steps, docs/embedded-default.md); enters the tokenizer's stamp only when set
-    letter_tokens: bool = False
-    #: option drills added to the SFT data (:func:`~sorl_verl.embedded.medical_trajectories.option_drills`):
-    #: a prompt naming the answer, and the response that copies the option block up to its line. An
-    #: experiment for ``checks="block"``, off: 3000 drills left greedy success at chance (0.24; the lookup
-    #: was learned in the drills, not in the agent's turns, docs/embedded-default.md); in the model's stamp when > 0
-    option_drills: int = 0
     #: share of the two-hop demonstrations that stop after the first search and answer the bridge entity
-    #: (``medical_trajectories.early_stop_segments``, scored 0); applies to the world's own demonstrations, not
-    #: to those of twin worlds (``sft_twin_worlds``), which stay the expert's; in the model's stamp when > 0
+    #: (``medical_trajectories.early_stop_segments``, scored 0); in the model's stamp when > 0
     early_stop_rate: float = 0.0
     #: validation questions per type evaluated after the warm-start, greedy and sampled at temperature 1
     eval_per_type: int = 25
@@ -100,9 +78,6 @@ class MedicalEmbeddedConfig:
     num_threads: int = 1
 
     def __post_init__(self) -> None:
-        check_style(self.checks, "MedicalEmbeddedConfig.checks")  # a bad style fails here, before any step is built
-        if self.option_drills < 0:
-            raise ValueError(f"MedicalEmbeddedConfig.option_drills must be >= 0, got {self.option_drills}")
         if not 0.0 <= self.early_stop_rate <= 1.0:
             raise ValueError(f"MedicalEmbeddedConfig.early_stop_rate must be in [0, 1], got {self.early_stop_rate}")
 
@@ -174,37 +149,6 @@ def eval_questions(val: Sequence[dict[str, Any]], per_type: int) -> list[dict[st
     return [q for t in QUESTION_TYPES for q in [q for q in val if q["type"] == t][:per_type]]
 
 
-def twin_world_examples(
-    tokenizer, world: MedicalWorld, seed: int, topk: int = TOPK, progress: bool = True, checks: str = DEFAULT_CHECKS
-) -> list[tuple[list[int], list[int]]]:
-    """Expert trajectories of every question (all splits) of the twin world of ``world`` drawn with ``seed``.
-
-    The observations come from a BM25 index of the twin's own corpus (built in a temporary directory).
-    Trained beside the world's own trajectories, they make the world's facts unlearnable by heart:
-    the same names state other facts there, so what lowers the loss is copying from the passages.
-    """
-    import tempfile
-
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
-    from sorl_verl.embedded.medical_world import generate_medical_world
-    from sorl_verl.embedded.warmstart import make_observer
-    from sorl_verl.embedded.world import write_world
-    from sorl_verl.retrieval.build import build_index
-
-    twin = generate_medical_world(replace(world.config, seed=seed), twin_of=world)
-    with tempfile.TemporaryDirectory(prefix="sorl-twin-") as tmp:
-        corpus = write_world(twin, tmp)["corpus"]
-        build_index(corpus, Path(tmp) / "bm25", overwrite=True, show_progress=False)
-        observe = make_observer(Path(tmp) / "bm25", topk)
-        return build_medical_sft_examples(
-            tokenizer,
-            [q for split in SPLITS for q in twin.questions[split]],
-            observe,
-            progress=progress,
-            checks=checks,
-        )
-
-
 def ensure_embedded_medical(
     root: str | Path | None = None,
     force: bool = False,
@@ -252,20 +196,19 @@ def _build(root: Path, cfg: MedicalEmbeddedConfig, force: bool, progress: bool) 
 
         return [user_message(q) for q in questions["train"]]
 
-    markers = OPTION_MARKERS if cfg.letter_tokens else ()
-    tok_inputs = {"world": world_stamp, "vocab": cfg.vocab_size, **({"letter_tokens": True} if markers else {})}
-    tok_stamp = step("tokenizer", paths.tokenizer_dir, tok_inputs,
-                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size, markers))  # fmt: skip
+    tok_stamp = step("tokenizer", paths.tokenizer_dir, {"world": world_stamp, "vocab": cfg.vocab_size},
+                     build_tokenizer_step(paths.corpus, prompts, cfg.vocab_size))  # fmt: skip
 
     def build_model(tmp: Path) -> None:
         with torch_threads(cfg.num_threads):
             _warm_start(cfg, paths, questions, tmp, progress)
 
+    # "twins": 0 and "checks": "text" name the SFT data of every build since the experiments' knobs
+    # (twin worlds, letter styles) were removed; kept so that the stamps of existing builds still match
     step("model", paths.model_dir,
          {"tokenizer": tok_stamp, "index": index_stamp, "spec": cfg.model.stamp(), "sft": asdict(cfg.sft),
-          "per_type": cfg.sft_per_type, "twins": cfg.sft_twin_worlds, "checks": cfg.checks, "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
-          "max_turns": cfg.max_turns, **({"drills": cfg.option_drills} if cfg.option_drills else {}),
-          **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {})},
+          "per_type": cfg.sft_per_type, "twins": 0, "checks": "text", "eval": [cfg.eval_per_type, list(cfg.eval_temperatures)], "topk": cfg.topk,
+          "max_turns": cfg.max_turns, **({"early_stop": cfg.early_stop_rate} if cfg.early_stop_rate else {})},
          build_model)  # fmt: skip
 
     record_build(paths, timings)
@@ -281,12 +224,7 @@ def _warm_start(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import (
-        build_medical_sft_examples,
-        drill_style,
-        option_drills,
-        sft_questions,
-    )
+    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples, sft_questions
     from sorl_verl.embedded.medical_world import generate_medical_world
     from sorl_verl.embedded.tiny_model import build_tiny_qwen2, save_model
     from sorl_verl.embedded.warmstart import make_observer, train_sft, warmstart_report
@@ -296,13 +234,8 @@ def _warm_start(
     t0 = time.perf_counter()
     world = generate_medical_world(cfg.world)  # the pools for extra option draws (deterministic, < 1 s)
     sft_qs = sft_questions(world, questions["train"], cfg.sft_per_type, seed=cfg.sft.seed)
-    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress, checks=cfg.checks,
+    examples = build_medical_sft_examples(tok, sft_qs, observe, progress=progress,
                                           early_stop_rate=cfg.early_stop_rate, seed=cfg.sft.seed)  # fmt: skip
-    for i in range(cfg.sft_twin_worlds):
-        seed = world.config.seed + TWIN_SEED_OFFSET + i
-        examples += twin_world_examples(tok, world, seed, cfg.topk, progress, cfg.checks)
-    style = drill_style(cfg.checks)
-    examples += option_drills(tok, world, questions["train"], cfg.option_drills, seed=cfg.sft.seed, checks=style)
     t_data = time.perf_counter() - t0
     model = build_tiny_qwen2(tok, cfg.model, seed=cfg.world.seed)
     t0 = time.perf_counter()

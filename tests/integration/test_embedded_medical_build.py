@@ -108,36 +108,36 @@ def test_bm25_top3_holds_every_needed_passage_of_the_default_world(tmp_path) -> 
     assert len(pairs) > 2000 and missed == []
 
 
-def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built) -> None:
+def test_trajectories_answer_with_the_gold_options_text_and_parse_as_agent_actions(built) -> None:
+    """Each type's expert trajectory: a search per hop (its passage in the observation), then the last
+    fact and the gold option's text as answer, which the MCQ reward scores 1 (another option's text and
+    the text of no option 0); tokenized as verl's tokenizer does, prompt and observations mask 0."""
     from transformers import AutoTokenizer
 
     observe = make_observer(built.index_dir)
     train = read_jsonl(built.questions["train"])
     for qtype in QUESTION_TYPES:
         q = next(q for q in train if q["type"] == qtype)
-        segs = expert_segments(q, observe, checks="inline")
+        segs = expert_segments(q, observe)
         assert [p for _, p in segs] == [True, False] * q["hops"] + [True]
         actions = [parse_action(text) for text, policy in segs if policy]
         assert [(a.kind, a.content) for a in actions] == [("search", h) for h in q["hop_queries"]] + [
-            ("answer", q["answer_idx"])
+            ("answer", q["answer"])
         ]
         assert all(turn_well_formed(text) for text, policy in segs if policy)
-        checked = [k for k in sorted(q["options"]) if k <= q["answer_idx"]]
-        assert segs[-1][0].endswith(
-            f"{q['answer_idx']}. {q['answer']} yes. </think>\n<answer> {q['answer_idx']} </answer>"
-        )
-        assert [f"{k}. {q['options'][k]} " in segs[-1][0] for k in q["options"]] == [k in checked for k in q["options"]]
+        assert segs[-1][0].endswith(f" {q['answer']}. </think>\n<answer> {q['answer']} </answer>")
         for i, hop in enumerate(q["hop_queries"]):
             assert f'"{hop}"' in segs[2 * i + 1][0], "the hop's passage is in its observation"
         gt = {"target": [q["answer_idx"]], "options": q["options"]}
         response = "".join(text for text, _ in segs)
         assert compute_score(data_source(qtype), response, gt)["score"] == 1.0
-        wrong = next(letter for letter in q["options"] if letter != q["answer_idx"])
-        swapped = response[: response.rindex(q["answer_idx"])] + wrong + " </answer>"
-        assert compute_score(data_source(qtype), swapped, gt)["score"] == 0.0
+        head = response[: response.rindex("<answer>")]
+        other = next(v for k, v in q["options"].items() if k != q["answer_idx"])
+        assert compute_score(data_source(qtype), f"{head}<answer> {other} </answer>", gt)["score"] == 0.0
+        assert compute_score(data_source(qtype), f"{head}<answer> Nothing </answer>", gt)["score"] == 0.0
 
     q = next(q for q in train if q["hops"] == 2)
-    segs = expert_segments(q, observe, checks="inline")
+    segs = expert_segments(q, observe)
     tok = AutoTokenizer.from_pretrained(built.model_dir)  # what verl loads (a Qwen2Tokenizer)
     trained_with = AutoTokenizer.from_pretrained(built.tokenizer_dir)
     ids, mask = tokenize_trajectory(tok, q["question"], segs, prompt=user_message(q))
@@ -150,102 +150,7 @@ def test_trajectories_end_with_the_gold_letter_and_parse_as_agent_actions(built)
     observed = tok.decode([t for t, m in zip(ids[n_prompt:], mask[n_prompt:], strict=True) if not m])
     assert observed.count(INFO_OPEN) == observed.count(INFO_CLOSE) == 2
     policy = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
-    assert INFO_OPEN not in policy and policy.rstrip().endswith(f"<answer> {q['answer_idx']} </answer><|im_end|>")
-
-
-def _contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
-def test_check_lines_copy_the_prompts_option_lines_token_for_token(built) -> None:
-    """With ``checks="lines"`` each check starts a line, ``"\\nL. text no."``, and its ``"L. text"`` tokens
-    are the prompt's option line token for token (what the model copies)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(built.model_dir)
-    observe = make_observer(built.index_dir)
-    n_checks = 0
-    for q in read_jsonl(built.questions["train"])[:12]:
-        lines, default = expert_segments(q, observe, checks="lines"), expert_segments(q, observe)
-        assert [t for t, _ in lines[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
-        letter, final = q["answer_idx"], lines[-1][0]
-        assert final.count(" yes.") == 1 and final.endswith(
-            f"\n{letter}. {q['answer']} yes. </think>\n<answer> {letter} </answer>"
-        )
-        assert parse_action(final).content == letter and turn_well_formed(final)
-        prompt = tok.encode(user_message(q), add_special_tokens=False)
-        final_ids = tok.encode(final, add_special_tokens=False)
-        for key in [k for k in sorted(q["options"]) if k <= letter]:
-            assert f"\n{key}. {q['options'][key]} {'yes' if key == letter else 'no'}." in final
-            line = tok.encode(f"{key}. {q['options'][key]}", add_special_tokens=False)
-            assert _contains(prompt, line) and _contains(final_ids, line)
-            n_checks += 1
-    assert n_checks >= 12
-
-
-def test_check_block_is_one_contiguous_token_copy_of_the_prompt(built) -> None:
-    """With ``checks="block"`` the final thought holds the prompt's option block up to the gold line as
-    one run of the prompt's own tokens (a forward copy), then ``yes`` and the gold letter."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(built.model_dir)
-    observe = make_observer(built.index_dir)
-    letters = set()
-    for q in read_jsonl(built.questions["train"])[:12]:
-        block, default = expert_segments(q, observe, checks="block"), expert_segments(q, observe)
-        assert [t for t, _ in block[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
-        letter, final = q["answer_idx"], block[-1][0]
-        assert final.endswith(f"\n{letter}. {q['answer']} yes. </think>\n<answer> {letter} </answer>")
-        assert parse_action(final).content == letter and turn_well_formed(final)
-        keys = [k for k in sorted(q["options"]) if k <= letter]
-        copied = "Options:\n" + "\n".join(f"{k}. {q['options'][k]}" for k in keys)
-        assert f"\n{copied} yes." in final and final.count("Options:\n") == 1
-        prompt = tok.encode(user_message(q), add_special_tokens=False)
-        copy_ids = tok.encode(copied, add_special_tokens=False)
-        assert _contains(prompt, copy_ids) and _contains(tok.encode(final, add_special_tokens=False), copy_ids)
-        letters.add(letter)
-    assert len(letters) >= 2, "the questions should not all share one gold letter"
-
-
-def test_check_tag_writes_the_letter_after_the_answer_name(built) -> None:
-    """With ``checks="tag"`` the final thought is the last fact with ``(L)`` after the answer's name and no
-    option checks; the trajectory still parses, ends with the gold letter and scores 1 (0 with another)."""
-    observe = make_observer(built.index_dir)
-    letters = set()
-    for q in read_jsonl(built.questions["train"])[:12]:
-        tag, default = expert_segments(q, observe, checks="tag"), expert_segments(q, observe)
-        assert [t for t, _ in tag[:-1]] == [t for t, _ in default[:-1]], "only the final thought changes"
-        letter, final = q["answer_idx"], tag[-1][0]
-        assert final.endswith(f" {q['answer']} ({letter}). </think>\n<answer> {letter} </answer>")
-        assert " yes." not in final and "Options:" not in final
-        assert parse_action(final).content == letter and turn_well_formed(final)
-        gt = {"target": [letter], "options": q["options"]}
-        response = "".join(text for text, _ in tag)
-        assert compute_score(data_source(q["type"]), response, gt)["score"] == 1.0
-        wrong = next(k for k in q["options"] if k != letter)
-        swapped = response[: response.rindex(letter)] + wrong + " </answer>"
-        assert compute_score(data_source(q["type"]), swapped, gt)["score"] == 0.0
-        letters.add(letter)
-    assert len(letters) >= 2, "the questions should not all share one gold letter"
-
-
-def test_check_text_answers_with_the_options_text_and_the_mcq_reward_reads_it(built) -> None:
-    """With ``checks="text"`` the last thought is the fact and the answer is the gold option's text: it
-    scores 1 under the MCQ reward, another option's text 0, and the text of no option 0."""
-    observe = make_observer(built.index_dir)
-    for q in read_jsonl(built.questions["train"])[:12]:
-        text, default = expert_segments(q, observe, checks="text"), expert_segments(q, observe, checks="inline")
-        assert [t for t, _ in text[:-1]] == [t for t, _ in default[:-1]], "only the final turn changes"
-        final = text[-1][0]
-        assert final.endswith(f" {q['answer']}. </think>\n<answer> {q['answer']} </answer>")
-        assert parse_action(final).content == q["answer"] and turn_well_formed(final)
-        gt = {"target": [q["answer_idx"]], "options": q["options"]}
-        response = "".join(t for t, _ in text)
-        assert compute_score(data_source(q["type"]), response, gt)["score"] == 1.0
-        head = response[: response.rindex("<answer>")]
-        other = next(v for k, v in q["options"].items() if k != q["answer_idx"])
-        assert compute_score(data_source(q["type"]), f"{head}<answer> {other} </answer>", gt)["score"] == 0.0
-        assert compute_score(data_source(q["type"]), f"{head}<answer> Nothing </answer>", gt)["score"] == 0.0
+    assert INFO_OPEN not in policy and policy.rstrip().endswith(f"<answer> {q['answer']} </answer><|im_end|>")
 
 
 def test_early_stop_demonstration_answers_the_bridge_and_scores_zero(built) -> None:
@@ -284,37 +189,6 @@ def test_early_stop_rate_replaces_that_share_of_two_hop_demonstrations(built) ->
         searches = tok.decode(e_ids).count("<search>") - tok.decode(s_ids).count("<search>")
         assert searches == 1 and len(s_ids) < len(e_ids)
     assert build_medical_sft_examples(tok, two, observe, progress=False, early_stop_rate=0.0) == expert[len(one) :]
-
-
-def test_copy_diagnostic_counts_one_decision_and_one_answer_letter_per_trajectory(built) -> None:
-    """``scripts/medical_copy_diagnostic.py`` on a real (small) build: per ``tag`` trajectory exactly one
-    decision and one answer letter, every other policy token up to the letter counted once, hits <= counts;
-    the letter embeddings' cosines are in [-1, 1], the markers absent (not whole tokens here)."""
-    import importlib.util
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from sorl_verl.embedded.medical_trajectories import build_medical_sft_examples
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "medical_copy_diagnostic.py"
-    spec = importlib.util.spec_from_file_location("medical_copy_diagnostic", path)
-    diag = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(diag)
-    tok = AutoTokenizer.from_pretrained(built.tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(built.model_dir).eval()
-    qs = read_jsonl(built.questions["val"])[:6]
-    examples = build_medical_sft_examples(tok, qs, make_observer(built.index_dir), False, "tag")
-    stats = diag.decision_accuracy(model, tok, examples, qs, "tag")
-    assert stats["decision"][1] == stats["answer_letter"][1] == len(qs)
-    policy_through_letter = sum(
-        sum(m[: max(t for t in range(len(i)) if m[t] and tok.decode([i[t]]).strip() == q["answer_idx"]) + 1])
-        for q, (i, m) in zip(qs, examples, strict=True)
-    )
-    assert sum(c for _, c in stats.values()) == policy_through_letter
-    assert all(0 <= h <= c for h, c in stats.values())
-    cos = diag.letter_cosines(model, tok)
-    assert cos["markers"] is None and -1 <= cos["letters"] <= 1
 
 
 def test_prompt_is_the_parquet_rows_user_message(built) -> None:
