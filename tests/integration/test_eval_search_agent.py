@@ -1,4 +1,4 @@
-"""``sorl-verl eval`` (sorl_verl/tools/eval.py; scripts/eval.py is a wrapper): EM/F1 per data source from (a) HF generation with the search loop against the
+"""``sorl-verl eval`` (sorl_verl/tools/eval.py): EM/F1 per data source from (a) HF generation with the search loop against the
 project's live retrieval server, (b) a generations file, (c) a verl validation metrics file.
 
 The model is a tiny Llama whose weights make greedy decoding follow a fixed token chain
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WRAPPER = REPO / "scripts" / "eval.py"
+CLI = [sys.executable, "-m", "sorl_verl", "eval"]  # what `sorl-verl eval` runs
 
 WORDS = ["<pad>", "<eos>", "<unk>", "<|assistant|>", "<search>", "capital", "</search>", "<information>",
          "</information>", "<answer>", "paris", "</answer>"]  # fmt: skip
@@ -133,7 +132,7 @@ def _assert_row(row: dict[str, str], n, em: float, f1: float, sub_em: float) -> 
 def test_generation_with_live_retrieval_server(chain_model, test_sets, retrieval_url, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
-        [sys.executable, str(WRAPPER), "--model", str(chain_model), "--data", *map(str, test_sets),
+        [*CLI, "--model", str(chain_model), "--data", *map(str, test_sets),
          "--out-dir", str(out), "--retrieval-url", retrieval_url, "--max-new-tokens", "8", "--title", "chain model"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""``sorl-verl plot`` (sorl_verl/tools/plot.py; scripts/plot_metrics.py is a wrapper) on metrics
+"""``sorl-verl plot`` (sorl_verl/tools/plot.py) on metrics
 written by verl's own Tracking loggers (file, tensorboard, console), two runs overlaid, through the
 command line a user types; validation never smoothed; nothing drawn over the data."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WRAPPER = REPO / "scripts" / "plot_metrics.py"
+CLI = [sys.executable, "-m", "sorl_verl", "plot"]  # what `sorl-verl plot` runs
 
 from sorl_verl.tools import plot as plot_metrics  # noqa: E402
 
@@ -101,8 +101,7 @@ def test_cli_overlays_runs_into_a_png_and_csv(two_runs, tmp_path):
     out, csv = tmp_path / "plots" / "curves.png", tmp_path / "plots" / "curves.csv"
     proc = subprocess.run(
         [
-            sys.executable,
-            str(WRAPPER),
+            *CLI,
             str(healthy),
             str(collapsing),
             "--labels",

@@ -1,4 +1,4 @@
-"""scripts/group_signal.py: the informative-group share against brute-force enumeration."""
+"""scripts/experiments/group_signal.py: the informative-group share against brute-force enumeration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "group_signal.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "group_signal.py"
 informative_share = runpy.run_path(str(SCRIPT))["informative_share"]
 
 

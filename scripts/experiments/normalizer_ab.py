@@ -5,7 +5,7 @@ updates per rollout); they differ in one knob only. After the step, the L2 dista
 weights from the initial model is read from verl's checkpoint, next to the sum of the update norms
 and the step factors from the actor's update log.
 
-    python scripts/normalizer_ab.py [--out docs/results/normalizer_ab.json] [--steps 1]
+    python scripts/experiments/normalizer_ab.py [--out docs/results/normalizer_ab.json] [--steps 1]
 
 Arms (resumable: an arm whose result is in the output file is not run again):
   off           clip_norm_mode=none                       (Turn-PPO: the normalizer measured, never applied)
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KNOB = "actor_rollout_ref.actor.policy_loss"
 STRESS = [
     "actor_rollout_ref.actor.optim.lr=1e-3",

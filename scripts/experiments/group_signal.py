@@ -11,8 +11,8 @@ replacement disagree), and the searches per episode (the decision the ``early-st
 is a second search on multi-hop questions: ``searched_again`` is the share of episodes with >= 2 searches).
 ``--warmstart NAME`` reads the named warm-start's root (``embedded-<name>``). Writes the numbers as JSON with ``--out``.
 
-    python scripts/group_signal.py --per-hop 24 --samples 8 --temperatures 1.0 1.3 1.6 --group 4
-    python scripts/group_signal.py --warmstart early-stop --per-hop 32 --samples 8 --temperatures 1.0
+    python scripts/experiments/group_signal.py --per-hop 24 --samples 8 --temperatures 1.0 1.3 1.6 --group 4
+    python scripts/experiments/group_signal.py --warmstart early-stop --per-hop 32 --samples 8 --temperatures 1.0
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Summarize the normalizer calibration runs (scripts/calibrate_normalizer.sh).
+"""Summarize the normalizer calibration runs (scripts/experiments/calibrate_normalizer.sh).
 
 Reads ``<regime>/sorl_updates.jsonl`` (one record per optimizer step with each micro-batch's
 ``clip_bias_norm`` = ||C|| and ``clip_bias_rel`` = rho) and prints, per regime, the distribution of
 both over the micro-batches that had gradients, and for candidate values of tau the share of
 micro-batches with Z = max(1, q/tau) > 1 and the mean step factor mean(1/Z). The runs are read
-from a directory (what scripts/calibrate_normalizer.sh writes) or from the ``.tar.xz`` the
+from a directory (what scripts/experiments/calibrate_normalizer.sh writes) or from the ``.tar.xz`` the
 repository keeps of it.
 
-    python scripts/calibration_summary.py docs/results/calibration/runs.tar.xz [--json OUT]
+    python scripts/experiments/calibration_summary.py docs/results/calibration/runs.tar.xz [--json OUT]
 """
 
 from __future__ import annotations

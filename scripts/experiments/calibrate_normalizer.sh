@@ -3,14 +3,14 @@
 # in four off-policy regimes of the CPU main job, with the normalizer off (clip_norm_mode=none, so
 # every regime follows plain Turn-PPO and the measurement does not steer the run).
 #
-#   bash scripts/calibrate_normalizer.sh [STEPS]      # resumable: a finished regime is skipped
+#   bash scripts/experiments/calibrate_normalizer.sh [STEPS]      # resumable: a finished regime is skipped
 #
 # Each regime's update log (one record per optimizer step, each micro-batch's ||C||, rho, Z) lands
-# in $OUT/<regime>/sorl_updates.jsonl (default $SORL_HOME/calibration); `python scripts/calibration_summary.py
+# in $OUT/<regime>/sorl_updates.jsonl (default $SORL_HOME/calibration); `python scripts/experiments/calibration_summary.py
 # $OUT` summarizes them (quantiles, share of micro-batches above each tau). The repository keeps the
 # measured runs as docs/results/calibration/runs.tar.xz (command, metrics and update log per regime).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEPS=${1:-6}
 OUT=${OUT:-${SORL_HOME:-$HOME/.cache/sorl_verl}/calibration}
 COMMON=(trainer.test_freq=-1 trainer.val_before_train=false actor_rollout_ref.actor.policy_loss.clip_norm_mode=none)
