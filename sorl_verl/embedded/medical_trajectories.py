@@ -27,10 +27,9 @@ from sorl_verl.agent.prompts import mcq_prompt
 from sorl_verl.embedded.medical_world import RELATIONS, MedicalWorld
 from sorl_verl.embedded.warmstart import (
     Observer,
-    build_sft_examples,
+    demonstration_examples,
     early_stop_search_segments,
     expert_search_segments,
-    stops_early,
 )
 
 
@@ -92,10 +91,16 @@ def build_medical_sft_examples(
     early_stop_rate: float = 0.0,
     seed: int = 0,
 ) -> list[tuple[list[int], list[int]]]:
-    """Demonstrations of ``questions``, tokenized as ``(input_ids, loss_mask)``: the expert's, or with
+    """Demonstrations of ``questions`` after their own prompts (:func:`user_message`): the expert's, or with
     probability ``early_stop_rate`` per two-hop question the early-stopping one."""
-
-    def segments(q: dict[str, Any]) -> list[tuple[str, bool]]:
-        return early_stop_segments(q, observe) if stops_early(q, early_stop_rate, seed) else expert_segments(q, observe)
-
-    return build_sft_examples(tokenizer, questions, segments, user_message, progress)
+    return demonstration_examples(
+        tokenizer,
+        questions,
+        observe,
+        expert_segments,
+        early_stop_segments,
+        early_stop_rate,
+        seed,
+        user_message,
+        progress,
+    )

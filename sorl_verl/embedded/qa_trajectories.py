@@ -17,12 +17,11 @@ from typing import Any
 from sorl_verl.embedded.qa_world import RELATIONS
 from sorl_verl.embedded.warmstart import (
     Observer,
-    build_sft_examples,
+    demonstration_examples,
     early_stop_search_segments,
     expert_search_segments,
     greedy_rollouts,
     grouped_rates,
-    stops_early,
 )
 
 
@@ -52,11 +51,9 @@ def build_qa_sft_examples(
 ) -> list[tuple[list[int], list[int]]]:
     """Demonstrations of ``questions``, tokenized as ``(input_ids, loss_mask)``: the expert's, or with
     probability ``early_stop_rate`` per multi-hop question the early-stopping one."""
-
-    def segments(q: dict[str, Any]) -> list[tuple[str, bool]]:
-        return early_stop_segments(q, observe) if stops_early(q, early_stop_rate, seed) else expert_segments(q, observe)
-
-    return build_sft_examples(tokenizer, questions, segments, progress=progress)
+    return demonstration_examples(
+        tokenizer, questions, observe, expert_segments, early_stop_segments, early_stop_rate, seed, progress=progress
+    )
 
 
 def evaluate_em(

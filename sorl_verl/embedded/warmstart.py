@@ -144,6 +144,27 @@ def build_sft_examples(
     ]
 
 
+def demonstration_examples(
+    tokenizer,
+    questions: Sequence[dict[str, Any]],
+    observe: Observer,
+    expert: Callable[[dict[str, Any], Observer], list[tuple[str, bool]]],
+    early_stop: Callable[[dict[str, Any], Observer], list[tuple[str, bool]]],
+    early_stop_rate: float = 0.0,
+    seed: int = 0,
+    prompt_of: Callable[[dict[str, Any]], str] | None = None,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """Demonstrations of ``questions``, tokenized as ``(input_ids, loss_mask)``: ``expert(q, observe)``,
+    or with probability ``early_stop_rate`` per multi-hop question (:func:`stops_early`)
+    ``early_stop(q, observe)``; ``prompt_of`` as in :func:`build_sft_examples`."""
+
+    def segments(q: dict[str, Any]) -> list[tuple[str, bool]]:
+        return early_stop(q, observe) if stops_early(q, early_stop_rate, seed) else expert(q, observe)
+
+    return build_sft_examples(tokenizer, questions, segments, prompt_of, progress)
+
+
 @dataclass(frozen=True)
 class SFTConfig:
     """Optimiser settings of the warm-start."""

@@ -13,7 +13,6 @@ from sorl_verl.embedded.qa_trajectories import (
     early_stop_segments,
     evaluate_em,
     expert_segments,
-    stops_early,
 )
 from sorl_verl.embedded.tiny_model import TinyModelSpec
 from sorl_verl.embedded.warmstart import (
@@ -21,6 +20,7 @@ from sorl_verl.embedded.warmstart import (
     greedy_rollouts,
     make_observer,
     prompt_ids,
+    stops_early,
     tokenize_trajectory,
 )
 from sorl_verl.embedded.world import read_jsonl
