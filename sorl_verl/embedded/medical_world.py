@@ -241,27 +241,8 @@ def _make_entities(cfg: MedicalWorldConfig, rng: random.Random) -> dict[str, Ent
     return ents
 
 
-def _take_names(ents: dict[str, Entity], source: MedicalWorld, rng: random.Random) -> None:
-    """Rename the entities of each kind with the names of ``source``'s entities of that kind (a random bijection)."""
-    for kind in ("mechanism", "condition", "drug", "finding"):
-        mine = [e for e in ents.values() if e.kind == kind]
-        names = [e.name for e in source.entities.values() if e.kind == kind]
-        if len(mine) != len(names):
-            raise ValueError(f"a twin world needs as many {kind}s as its source ({len(names)}), got {len(mine)}")
-        rng.shuffle(names)
-        for e, name in zip(mine, names, strict=True):
-            e.name = name
-
-
-def generate_medical_world(
-    config: MedicalWorldConfig | None = None, twin_of: MedicalWorld | None = None
-) -> MedicalWorld:
-    """Build the world of ``config`` (see the module docstring); deterministic in ``config`` (and ``twin_of``).
-
-    ``twin_of``: a world of the same sizes whose names this one takes over (each kind's names in a
-    random bijection) while its facts, splits and options are its own: the same words state other
-    facts, so a model trained on both can only answer by reading the passages, not by remembering.
-    """
+def generate_medical_world(config: MedicalWorldConfig | None = None) -> MedicalWorld:
+    """Build the world of ``config`` (see the module docstring); deterministic in ``config``."""
     cfg = config or MedicalWorldConfig()
     if cfg.num_conditions < 6 or cfg.num_drugs < 6 or cfg.num_mechanisms < 5 or cfg.findings_per_condition < 1:
         raise ValueError("need >= 6 conditions, >= 6 drugs, >= 5 mechanisms and >= 1 finding per condition")
@@ -269,8 +250,6 @@ def generate_medical_world(
         raise ValueError("num_drugs must be <= num_conditions (every drug is first-line for some condition)")
     rng = random.Random(cfg.seed)
     ents = _make_entities(cfg, rng)
-    if twin_of is not None:
-        _take_names(ents, twin_of, rng)
     order = [e for e in ents.values() if e.kind != "mechanism"]
     rng.shuffle(order)
     corpus = index_passages(order, lambda e: _passage_text(e, ents))
