@@ -26,8 +26,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sorl_verl.agent.actions import INVALID_ACTION_FEEDBACK, escape_observation, first_stop, parse_action
-from sorl_verl.agent.actions import turn_well_formed as _turn_well_formed
+from sorl_verl.agent.actions import (
+    INVALID_ACTION_FEEDBACK,
+    escape_observation,
+    first_stop,
+    parse_action,
+    turn_well_formed,
+)
 from sorl_verl.agent.prompts import INFO_CLOSE, INFO_OPEN, information_block
 
 TRUNCATION_MARK = " ...(truncated)"
@@ -195,7 +200,7 @@ class Episode:
         self._append(list(token_ids[:keep]), True, logprobs)
         self.turns += 1
         action = parse_action(text)
-        self.well_formed &= _turn_well_formed(text)
+        self.well_formed &= turn_well_formed(text)
         if action.kind == "answer":
             self.valid += 1
             self.finished, self.done, self.final_answer = True, True, action.content

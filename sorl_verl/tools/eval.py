@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sorl_verl.agent.episode import Episode, EpisodeFormat, EpisodeLimits, GenerateBatch, Search, run_episode
 from sorl_verl.agent.settings import DEFAULT_RETRIEVAL_URL, URL_ENV
 from sorl_verl.rewards.score import compute_score
 from sorl_verl.study.metrics import parse_val_key, read_records
@@ -261,9 +262,9 @@ class SearchAgent:
     (:func:`generate`). ``limits``: by default no response budget, ``max_turns`` turns of at most
     ``max_new_tokens`` tokens."""
 
-    def __init__(self, tokenizer: Any, generate_batch: Any, retrieval_url: str, topk: int, limits: Any) -> None:
-        from sorl_verl.agent.episode import EpisodeFormat
-
+    def __init__(
+        self, tokenizer: Any, generate_batch: GenerateBatch, retrieval_url: str, topk: int, limits: EpisodeLimits
+    ) -> None:
         self.tokenizer, self.generate_batch = tokenizer, generate_batch
         self.format = EpisodeFormat(tokenizer, limits)
         self.retrieval_url, self.topk = retrieval_url, topk
@@ -282,7 +283,6 @@ class SearchAgent:
         """Greedy generation with the HF checkpoint at ``model_path``."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from sorl_verl.agent.episode import EpisodeLimits
         from sorl_verl.agent.hf_generate import hf_generate
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -297,16 +297,15 @@ class SearchAgent:
             text = "\n".join(m["content"] for m in messages) + "\n"
         return self.format.encode(text)
 
-    async def episode(self, messages: Sequence[Mapping[str, str]], search: Any) -> Any:
+    async def episode(self, messages: Sequence[Mapping[str, str]], search: Search) -> Episode:
         """One :class:`~sorl_verl.agent.episode.Episode` (``search``: async query -> observation text)."""
-        from sorl_verl.agent.episode import Episode, run_episode
 
         async def generate(context: list[int], budget: int) -> tuple[list[int], None]:
             return self.generate_batch([context], [budget])[0], None
 
         return await run_episode(Episode(self.format, self.prompt_ids(messages)), generate, search)
 
-    async def run(self, messages: Sequence[Mapping[str, str]], search: Any) -> dict[str, Any]:
+    async def run(self, messages: Sequence[Mapping[str, str]], search: Search) -> dict[str, Any]:
         """One episode's response text (model turns + observations) and its counters."""
         episode = await self.episode(messages, search)
         text = self.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
