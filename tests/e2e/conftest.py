@@ -4,11 +4,14 @@ process of the run listens on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,12 +119,50 @@ class SocketWatcher(threading.Thread):
         return self.found
 
 
+def read_records(metrics: Path) -> list[dict]:
+    """verl's file-logger records so far (a last line still being written is left out)."""
+    if not metrics.exists():
+        return []
+    records = []
+    for line in metrics.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (Ray's GCS, raylet and workers), children first."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
 @pytest.fixture(scope="session")
 def main_ppo(embedded, retrieval):
-    """``main_ppo(run_dir, algo_args, extra) -> MainPPORun`` (asserting exit code 0)."""
+    """``main_ppo(run_dir, algo_args, extra) -> MainPPORun`` (asserting exit code 0).
+
+    With ``kill_when`` (a predicate on the metric records so far, polled every second) the run's
+    whole process tree is killed with SIGKILL as soon as it holds, and the exit code is not checked.
+    """
     paths, model = embedded
 
-    def run(run_dir: Path, algo_args: list[str], extra: list[str], small: list[str] = SMALL) -> MainPPORun:
+    def run(
+        run_dir: Path,
+        algo_args: list[str],
+        extra: list[str],
+        small: list[str] = SMALL,
+        kill_when: Callable[[list[dict]], bool] | None = None,
+    ) -> MainPPORun:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_dir / f"metrics-{len(list(run_dir.glob('metrics-*.jsonl')))}.jsonl"
         cmd = [
@@ -141,15 +182,24 @@ def main_ppo(embedded, retrieval):
             proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
             watcher = SocketWatcher(proc.pid)
             watcher.start()
+            killed = False
             try:
-                returncode = proc.wait(timeout=RUN_TIMEOUT_S)
+                returncode = proc.wait(timeout=RUN_TIMEOUT_S) if kill_when is None else None
+                deadline = time.monotonic() + RUN_TIMEOUT_S
+                while returncode is None and not killed and time.monotonic() < deadline:
+                    if kill_when(read_records(metrics)):
+                        kill_tree(proc.pid)
+                        killed = True
+                    returncode = proc.poll()
+                    time.sleep(1.0)
             finally:
                 if proc.poll() is None:
                     proc.kill()
                 listening = watcher.stop()
+        if killed:
+            return MainPPORun(records=read_records(metrics), log=log, listening=listening)
         tail = "\n".join(log.read_text().splitlines()[-40:])
         assert returncode == 0, f"main_ppo exited {returncode}; log {log}:\n{tail}"
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        return MainPPORun(records=records, log=log, listening=listening)
+        return MainPPORun(records=read_records(metrics), log=log, listening=listening)
 
     return run
