@@ -188,6 +188,10 @@ class CollapseGuard:
             return
         workers = self.actor_rollout_wg.workers  # type: ignore[attr-defined]
         lrs = ray.get([w.__ray_call__.remote(actor_lr_scale, wanted[0]) for w in workers])
+        if not any(lrs):
+            raise RuntimeError(
+                "sorl.guard: no actor optimizer found in the actor workers to scale the learning rate of"
+            )
         if self.guard_config.backoff_target == "clip_norm_tau":
             tau = float(self.config.actor_rollout_ref.actor.policy_loss.clip_norm_tau) * wanted[1]  # type: ignore[attr-defined]
             ray.get([w.__ray_call__.remote(set_clip_norm_tau, tau) for w in workers])

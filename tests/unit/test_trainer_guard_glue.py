@@ -235,3 +235,13 @@ def test_off_means_untouched(tmp_path):
     trainer._load_checkpoint()
     metrics = train_step(trainer, score=0.0)
     assert metrics == {VAL: 0.0} and lr(trainer) == LR and not list(tmp_path.iterdir())
+
+
+def test_a_learning_rate_scale_with_no_actor_optimizer_to_apply_it_to_fails(tmp_path):
+    cls = type("Guarded", (CollapseGuard, FakeTrainer), {"base_trainer_mode": "sync"})
+    config = OmegaConf.create({"trainer": {"test_freq": -1, "default_local_dir": str(tmp_path)},
+                               "sorl": {"fault_injection": {"lr_factor": 10.0}}})  # fmt: skip
+    trainer = cls(config)
+    trainer.actor_rollout_wg.workers = [Handle(types.SimpleNamespace(worker_dict={"rollout": object()}))]
+    with pytest.raises(RuntimeError, match="no actor optimizer"):
+        trainer._load_checkpoint()
