@@ -186,6 +186,7 @@ def _status_reason(state: str, rec: dict, cell, changed: list[str]) -> str:
 def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     from sorl_verl.study.aggregate import collect, markdown_table, runs_table, stability, write_stability
     from sorl_verl.study.archive import ArchiveError, read_archive
+    from sorl_verl.study.report import headline_table
     from sorl_verl.study.runner import changed_keys
 
     out = _out_dir(grid, a.out)
@@ -228,6 +229,8 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     table = markdown_table(data["runs"])
     (results / f"{a.name}_table.md").write_text(table)
     (results / f"{a.name}_runs.md").write_text(runs_table(data["runs"]))
+    (results / f"{a.name}_headline.md").write_text(headline_table(data["runs"]))
+    (results / f"{a.name}_warnings.md").write_text(_warnings(found, data["runs"]))
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:
@@ -243,6 +246,15 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
             f"(= lr {m['lr']} x mean update scale {m['mean_update_scale']:.3f} of {m['runs']} {m['reference']} runs)"
         )
     return 0
+
+
+def _warnings(found: list, runs: list[dict]) -> str:
+    """The warning-signal table over the judged runs (:mod:`sorl_verl.study.warning_signals`)."""
+    from sorl_verl.study.warning_signals import RULE, markdown, run_signals, score_signals
+
+    traces = {(rec["regime"], rec["algorithm"], rec["seed"]): trace for rec, trace in found}
+    signals = [run_signals(r, traces[(r["regime"], r["algorithm"], r["seed"])]) for r in runs if r["judged"]]
+    return f"{RULE}\n\n{markdown(score_signals(signals), signals)}"
 
 
 def _archive_path(a: argparse.Namespace, grid: Grid, root: Path | None) -> Path | None:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN
+from sorl_verl.study.metrics import Trace
 
 BASELINE_STEPS = 5
 WINDOW = 3
@@ -114,6 +115,15 @@ class SignalScore:
                 "false_alarms": self.false_alarms}  # fmt: skip
 
 
+def run_signals(run: Mapping[str, object], trace: Trace) -> RunSignals:
+    """A judged run of stability.json (:func:`sorl_verl.study.aggregate.run_record`) and its metrics."""
+    onset = run["onset_step"] if run["collapsed"] else None
+    vals = [(int(s), float(v)) for s, v in run["val_scores"] if v is not None]  # type: ignore[union-attr]
+    series = {name: trace.series(key) for name, (key, _) in SIGNALS.items()}
+    key = f"{run['regime']}/{run['algorithm']}/seed{run['seed']}"
+    return RunSignals(key, drop_step(vals, onset), {k: v for k, v in series.items() if v})  # type: ignore[arg-type]
+
+
 def floors(runs: Iterable[RunSignals]) -> dict[str, float]:
     """Per signal, ``FLOOR_SHARE`` x the median over runs of the signal's largest value."""
     peaks: dict[str, list[float]] = {}
@@ -144,12 +154,15 @@ def score_signals(runs: Sequence[RunSignals]) -> list[SignalScore]:
     return out
 
 
-def markdown(scores: Sequence[SignalScore]) -> str:
-    """The warning table of docs/results.md."""
+def markdown(scores: Sequence[SignalScore], runs: Sequence[RunSignals] = ()) -> str:
+    """The warning table of docs/results.md (with the runs that dropped and where, when given)."""
     lines = ["| signal | warned / dropped runs | median lead (steps) | false alarms / runs that held |",
              "| --- | ---: | ---: | ---: |"]  # fmt: skip
     for s in scores:
         d = s.as_dict()
         lead = "-" if d["median_lead_steps"] is None else f"{d['median_lead_steps']:g}"
         lines.append(f"| {s.signal} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
+    dropped = [f"{r.key} (step {r.drop})" for r in runs if r.drop is not None]
+    if runs:
+        lines += ["", f"Runs that dropped: {', '.join(dropped) if dropped else 'none'} of {len(runs)} judged."]
     return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sorl_verl.study.metrics import Trace
 from sorl_verl.study.warning_signals import (
     BASELINE_STEPS,
     FACTOR,
@@ -13,6 +14,7 @@ from sorl_verl.study.warning_signals import (
     alarm_step,
     drop_step,
     markdown,
+    run_signals,
     score_signals,
 )
 
@@ -72,3 +74,13 @@ def test_scores_count_warned_drops_leads_and_false_alarms():
         1,
     )
     assert "| ppo_kl | 1 / 2 | 10 | 1 / 2 |" in markdown([kl])
+
+
+def test_run_signals_takes_the_collapse_onset_or_the_lost_gain_and_only_logged_signals():
+    trace = Trace(train={s: {"actor/ppo_kl": 0.01 * s} for s in range(1, 11)})
+    run = {"regime": "r", "algorithm": "a", "seed": 1, "collapsed": False, "onset_step": None,
+           "val_scores": [[0, 0.2], [5, 0.3], [10, 0.21]]}  # fmt: skip
+    rs = run_signals(run, trace)
+    assert rs.key == "r/a/seed1" and rs.drop == 10 and set(rs.series) == {"ppo_kl"}
+    assert run_signals({**run, "collapsed": True, "onset_step": 5}, trace).drop == 5
+    assert run_signals({**run, "val_scores": [[0, 0.2], [5, 0.3], [10, 0.29]]}, trace).drop is None
