@@ -52,7 +52,8 @@ def register_all() -> dict[str, list[str]]:
 
 
 def _register_algorithms() -> dict[str, list[str]]:
-    """Register the 4 SORL losses and 2 estimators into verl's registries, idempotently.
+    """Register ``POLICY_LOSSES`` (the 4 SORL losses and ``vanilla_diag``) and the 2 estimators into
+    verl's registries, idempotently.
 
     An entry already holding the same function (or one with the same ``__module__`` and
     ``__qualname__``, as after a re-import under another module name) is left as it is; a
