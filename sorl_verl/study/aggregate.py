@@ -28,7 +28,7 @@ from sorl_verl.study.collapse import CRITERION, FRACTION, judge
 from sorl_verl.study.grid import DEFAULT_WARMSTART
 from sorl_verl.study.measures import measures
 from sorl_verl.study.metrics import Trace, read_trace
-from sorl_verl.study.report import episodes_per_step
+from sorl_verl.study.report import by_regime_algorithm, episodes_per_step, spread
 from sorl_verl.study.runner import METRICS, RECORD, read_record
 
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
@@ -200,24 +200,13 @@ def _no_nan(obj: Any) -> Any:  # pragma: no cover - json's default hook only see
     raise TypeError(f"not JSON serializable: {obj!r}")
 
 
-def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
-
-
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     """Per regime x algorithm: collapsed k/n, final score mean ± sd (n-1), peak, wall time."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in runs:
-        groups[(r["regime"], r["algorithm"])].append(r)
     lines = [
         "| regime | algorithm | seeds | collapsed | final val score | peak val score | wall s / run | not judged |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for (regime, algorithm), rs in sorted(groups.items()):
+    for (regime, algorithm), rs in by_regime_algorithm(runs):
         judged = [r for r in rs if r["judged"]]
         finals = [r["final_val_score"] for r in judged if r["final_val_score"] is not None]
         peaks = [r["peak_val_score"] for r in judged if r["peak_val_score"] is not None]
@@ -226,7 +215,7 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
         wall = f"{statistics.mean(walls):.0f}" if walls else "-"
         lines.append(
             f"| {regime} | {algorithm} | {seeds} | {sum(r['collapsed'] for r in judged)}/{len(judged)} "
-            f"| {_spread(finals)} | {_spread(peaks)} | {wall} | {len(rs) - len(judged)} |"
+            f"| {spread(finals)} | {spread(peaks)} | {wall} | {len(rs) - len(judged)} |"
         )
     return "\n".join(lines) + "\n"
 

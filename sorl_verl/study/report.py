@@ -37,25 +37,36 @@ def episodes_per_step(overrides: Mapping[str, Any], config_dir: Path | None) -> 
         return None
 
 
-def _spread(values: Sequence[float], digits: int = 3) -> str:
+def spread(values: Sequence[float], digits: int = 3, sign: str = "") -> str:
+    """``mean ± sd`` (sd with n - 1) of the values, the value alone for one, ``-`` for none; ``sign="+"``
+    writes the mean signed."""
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:+.{digits}f}"
-    return f"{statistics.mean(values):+.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def by_regime_algorithm(runs: Sequence[Mapping[str, Any]]) -> list[tuple[tuple[str, str], list[Mapping[str, Any]]]]:
+    """The runs grouped by (regime, algorithm), groups in sorted order."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["regime"], r["algorithm"])].append(r)
+    return sorted(groups.items())
+
+
+def _gain(values: Sequence[float], digits: int = 3) -> str:
+    return spread(values, digits, "+")
 
 
 def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one row per regime x algorithm over the judged runs (unjudged ones counted apart)."""
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
-    for r in runs:
-        groups[(r["regime"], r["algorithm"])].append(r)
     lines = [
         "| regime | algorithm | seeds | final gain | peak gain | collapsed | gained, then lost | mean gain (AUC) "
         "| gain / 1k episodes | wall s / run |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (regime, algorithm), rs in sorted(groups.items()):
+    for (regime, algorithm), rs in by_regime_algorithm(runs):
         judged = [r for r in rs if r.get("judged") and r.get("gain") is not None]
 
         def vals(key: str, judged: list[Mapping[str, Any]] = judged) -> list[float]:
@@ -68,9 +79,9 @@ def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
         wall = f"{statistics.mean(walls):.0f}" if walls else "-"
         lines.append(
             f"| {regime} | {algorithm} | {seeds}{f' ({unjudged} not judged)' if unjudged else ''} "
-            f"| {_spread(vals('gain'))} | {_spread(vals('peak_gain'))} "
+            f"| {_gain(vals('gain'))} | {_gain(vals('peak_gain'))} "
             f"| {sum(bool(r['collapsed']) for r in judged)}/{len(judged)} "
             f"| {sum(bool(r.get('lost_gain')) for r in judged)}/{len(judged)} "
-            f"| {_spread(vals('auc_gain'))} | {_spread(per_k, 4)} | {wall} |"
+            f"| {_gain(vals('auc_gain'))} | {_gain(per_k, 4)} | {wall} |"
         )
     return "\n".join(lines) + "\n"
