@@ -81,7 +81,8 @@ def test_extra_tokens_make_each_option_marker_one_token(tokenizer, world, tmp_pa
     token that no other line shares, the option text is encoded as without them, and text round-trips."""
     from transformers import AutoTokenizer
 
-    from sorl_verl.embedded.medical_trajectories import OPTION_MARKERS
+    # the option markers of an MCQ prompt (prompts.mcq_prompt), as whole tokens
+    OPTION_MARKERS = tuple(f"\n{letter}." for letter in "ABCDE")  # noqa: N806
 
     texts = [d["contents"] for d in world.corpus] + [prompts.qa_prompt(q["question"]) for q in world.questions["train"]]
     train_tokenizer(texts, tmp_path, vocab_size=1500, extra_tokens=OPTION_MARKERS)
