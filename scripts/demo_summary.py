@@ -5,9 +5,11 @@ verl's ``trainer.logger=[..., file]`` writes one JSON line per logged step to
 (``val-core/...``, ``val-aux/...``) arrive in their own lines (before training and every
 ``trainer.test_freq`` steps).
 
-The actor's update log (``sorl_updates.jsonl``, one record per optimizer step: the step factor
-``scale`` and ``update_norm``, see ``sorl_verl.algorithms.optim``) adds the parameter-update norm
-per training step: the records written since the previous training step belong to it.
+The metrics file is read through the project's one reader, :mod:`sorl_verl.study.metrics`
+(``read_records`` for the lines, ``parse_val_key`` for the validation keys). The actor's update log
+(``sorl_updates.jsonl``, one record per optimizer step: the step factor ``scale`` and
+``update_norm``, see ``sorl_verl.algorithms.optim``) adds the parameter-update norm per training
+step: the records written since the previous training step belong to it.
 
     python scripts/demo_summary.py follow METRICS.jsonl --pid PID [--steps N] [--updates U]  # a line per step
     python scripts/demo_summary.py summary METRICS.jsonl [--log L] [--ckpt DIR] [--updates U] [--out-dir RUN]
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 from sorl_verl.study.metrics import parse_val_key
+from sorl_verl.study.metrics import read_records as read_metrics_file
 
 #: pseudo-metric: mean parameter-update norm of a training step, from the update log
 UPDATE_NORM = "sorl/update_norm_mean"
@@ -58,18 +61,34 @@ TRAIN_ROWS = (
 )
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """All complete JSON lines of the metrics file (a partly written last line is skipped)."""
-    records = []
+def read_metrics(path: str | Path) -> list[tuple[int, dict]]:
+    """``(step, data)`` of each complete line of verl's metrics file, through the project's reader
+    (:func:`sorl_verl.study.metrics.read_records`: a partly written last line is skipped); ``[]``
+    while the file does not exist yet."""
+    p = Path(path)
+    return list(read_metrics_file(p)) if p.exists() else []
+
+
+def read_update_log(path: str | Path) -> list[dict]:
+    """The actor's update log (``sorl_updates.jsonl``): one JSON object per optimizer step; a partly
+    written last line is skipped, ``[]`` while the file does not exist yet."""
     p = Path(path)
     if not p.exists():
-        return records
-    for line in p.read_text().splitlines():
+        return []
+    out = []
+    for line in p.read_text(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
-    return records
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def is_validation_key(key: str) -> bool:
+    """A validation mean ``val-<core|aux>/<source>/<var>/mean@<n>`` (:func:`parse_val_key`)."""
+    return parse_val_key(key) is not None
 
 
 def update_norms_per_step(updates: list[dict], steps: int) -> list[float | None]:
@@ -89,17 +108,18 @@ NEAR_ON_POLICY = (
 )
 
 
-def split_records(records: list[dict]) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
-    """(training steps, validation entries), each as (step, metrics) in file order."""
+def split_records(records: list[tuple[int, dict]]) -> tuple[list[tuple[int, dict]], list[tuple[int, dict]]]:
+    """(training steps, validation entries), each as (step, metrics) in file order: a line's validation
+    means (:func:`is_validation_key`) form a validation entry; its other metrics a training step when
+    it carries ``training/global_step`` or ``timing_s/step`` (as :func:`sorl_verl.study.metrics.parse_records`)."""
     train, val = [], []
-    for r in records:
-        data = r.get("data", {})
-        v = {k: x for k, x in data.items() if k.startswith("val-")}
+    for step, data in records:
+        v = {k: x for k, x in data.items() if is_validation_key(k)}
         t = {k: x for k, x in data.items() if not k.startswith("val-")}
         if v:
-            val.append((r.get("step", 0), v))
+            val.append((step, v))
         if "training/global_step" in t or "timing_s/step" in t:
-            train.append((r.get("step", 0), t))
+            train.append((step, t))
     return train, val
 
 
@@ -183,18 +203,17 @@ def follow(path: str, pid: int, total: int | None, updates: str | None = None, p
 
     while True:
         running = alive()
-        records = read_records(path)
-        for r in records[seen:]:
-            data = r.get("data", {})
-            step = r.get("step", 0)
+        records = read_metrics(path)
+        for step, data in records[seen:]:
             el = time.time() - start
-            if any(k.startswith("val-") for k in data):
-                ems = {k: data[k] for k in data if k.startswith("val-core/")}
-                shown = "  ".join(f"{k.split('/', 1)[1]}={fmt(_num(v))}" for k, v in sorted(ems.items())[:4])
+            parsed = {k: parse_val_key(k) for k in data}
+            if any(parsed.values()):
+                core = {k: data[k] for k, v in parsed.items() if v is not None and v.kind == "core"}
+                shown = "  ".join(f"{k.split('/', 1)[1]}={fmt(_num(v))}" for k, v in sorted(core.items())[:4])
                 print(f"[{el:6.0f}s] validation @ step {step}: {shown}", flush=True)
             if "timing_s/step" in data:
                 if updates:
-                    new = read_records(updates)[seen_updates:]
+                    new = read_update_log(updates)[seen_updates:]
                     seen_updates += len(new)
                     norms = [u["update_norm"] for u in new if u.get("update_norm") is not None]
                     if norms:
@@ -220,11 +239,11 @@ def build_summary(path: str, updates: str | None = None, k: int = 3) -> dict | N
     per split, :func:`split_keys`): ``start`` = the first validation (step 0 when verl validates
     before training), ``end`` = the last one; their mean over the splits and its gain.
     """
-    train, val = split_records(read_records(path))
+    train, val = split_records(read_metrics(path))
     if not train:
         return None
     if updates:
-        norms = update_norms_per_step(read_records(updates), len(train))
+        norms = update_norms_per_step(read_update_log(updates), len(train))
         train = [(s, {**m, UPDATE_NORM: n} if n is not None else m) for (s, m), n in zip(train, norms, strict=True)]
     n = min(k, max(1, len(train) // 2))
     first = first_update_index(train)

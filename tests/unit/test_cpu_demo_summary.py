@@ -157,3 +157,31 @@ def test_one_row_per_split_and_the_files_kept_in_the_run_directory(tmp_path, cap
     assert (run / "summary.txt").read_text().strip() in out
     assert (run / "curves.png").stat().st_size > 10_000
     assert f"CLI plot {run}" in out and f"CLI eval --metrics {run} --out-dir {run}/eval" in out
+
+
+def test_metrics_lines_go_through_the_project_reader(tmp_path):
+    """Lines the project's reader (sorl_verl.study.metrics.records) skips are skipped here too, and only
+    validation means (val-<kind>/<source>/<var>/mean@N) make validation entries and splits."""
+    mod = load_summary_module()
+    m = tmp_path / "metrics.jsonl"
+    assert mod.read_metrics(m) == [] and mod.read_update_log(tmp_path / "none.jsonl") == []
+    lines = [
+        {"step": 0, "data": {"val-core/synthetic_1hop/reward/mean@1": 0.25, "val-aux/num_turns/min": 2}},
+        {"step": "1", "data": {"timing_s/step": 9.0, "critic/score/mean": 9.0}},  # step not an int
+        {"data": "not a dict"},
+        {"step": 1, "data": {"timing_s/step": 1.0, "critic/score/mean": 0.5}},
+        {"step": 2, "data": {"timing_s/step": 1.0, "critic/score/mean": 0.75}},
+        {"step": 2, "data": {"val-core/synthetic_1hop/reward/mean@1": 0.5, "val-aux/num_turns/max": 4}},
+        {"step": 3, "data": {"val-aux/num_turns/mean": 3.0}},  # no validation mean: no entry
+    ]
+    m.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    from sorl_verl.study.metrics import read_records
+
+    assert mod.read_metrics(m) == list(read_records(m))
+    train, val = mod.split_records(mod.read_metrics(m))
+    assert [s for s, _ in train] == [1, 2] and [s for s, _ in val] == [0, 2]
+    data = mod.build_summary(str(m))
+    reward = next(r for r in data["train"] if r["key"] == "critic/score/mean")
+    assert (reward["start"], reward["end"]) == (0.5, 0.75)
+    assert [s["split"] for s in data["validation"]["splits"]] == ["synthetic_1hop"]
+    assert data["validation"]["gain"] == 0.25
