@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="rebuild every step")
     p.add_argument("--sft-steps", type=int, help="warm-start optimiser steps")
     p.add_argument("--threads", type=int, help="torch threads for the warm-start (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (none either when stderr is not a terminal)")
     a = p.parse_args(argv)
     cfg = EmbeddedConfig(seed=a.seed)
     if a.sft_steps is not None:
@@ -29,17 +30,21 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads is not None:
         cfg = replace(cfg, num_threads=a.threads)
     t0 = time.perf_counter()
-    paths = ensure_embedded_default(a.root, force=a.force, config=cfg, progress=not a.quiet)
+    progress = not a.quiet and sys.stderr.isatty()  # bars redraw with carriage returns: a terminal only
+    paths = ensure_embedded_default(a.root, force=a.force, config=cfg, progress=progress)
     report = json.loads(paths.report.read_text()) if paths.report.is_file() else {}
     ev = report.get("warmstart", {}).get("eval", {})
     print(f"embedded default ready in {time.perf_counter() - t0:.1f}s under {paths.root}")
     print(f"  corpus    {paths.corpus}\n  train     {paths.parquet['train']}\n  val       {paths.parquet['val']}")
     print(f"  index     {paths.index_dir}\n  model     {paths.model_dir}")
-    print("  build seconds (last build of each step): "
-          + ", ".join(f"{k}={v}" for k, v in report.get("build_seconds", {}).items()))
+    print(
+        "  build seconds (last build of each step): "
+        + ", ".join(f"{k}={v}" for k, v in report.get("build_seconds", {}).items())
+    )
     if ev:
-        print("  warm-start greedy EM on val: "
-              + ", ".join(f"{k}={ev[k]:.3f}" for k in sorted(ev) if k.startswith("em")))
+        print(
+            "  warm-start greedy EM on val: " + ", ".join(f"{k}={ev[k]:.3f}" for k in sorted(ev) if k.startswith("em"))
+        )
 
 
 if __name__ == "__main__":
