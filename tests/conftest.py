@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -82,6 +84,64 @@ class Fp32Bounds:
         """
         logit_error = cls.between(max(1.0, logit_scale), cls.transformer_chain(config, seq_len))
         return 2 * logit_error / temperature + cls.between(1.0, config.vocab_size)
+
+
+#: ``0`` turns the background build of :func:`pytest_collection_finish` off
+PREBUILD_ENV = "SORL_TEST_PREBUILD"
+#: what the background process runs: the builds the tests' fixtures call, in argument order
+PREBUILD_CODE = """
+import sys
+from sorl_verl.embedded.medical_build import ensure_embedded_medical
+from sorl_verl.embedded.qa_build import ensure_embedded_default
+for task in sys.argv[1:]:
+    (ensure_embedded_default if task == "qa" else ensure_embedded_medical)(progress=False)
+"""
+
+
+_PREBUILD = pytest.StashKey[tuple[subprocess.Popen, str]]()
+
+
+def prebuild_tasks(items: list[pytest.Item]) -> list[str]:
+    """The embedded defaults the selected tests need: ``medical`` for a test using the ``medical``
+    fixture (tests/e2e/test_e2e_cpu_medical.py), ``qa`` for every other ``e2e``-marked test (they run
+    ``main_ppo`` on the QA default); ``qa`` first, as the suite's order needs them."""
+    medical = [item for item in items if "medical" in getattr(item, "fixturenames", ())]
+    qa = [item for item in items if item.get_closest_marker("e2e") and item not in medical]
+    return [task for task, users in (("qa", qa), ("medical", medical)) if users]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the embedded defaults the selected tests need in a background process (``nice 10``).
+
+    The warm-start SFT of each default (minutes, one torch thread, deterministic) then runs on a core
+    the unit and integration tests leave idle instead of inside the first test that needs it. Both
+    builds hold their root's build lock, so a test that arrives first waits for the build and reuses
+    it; an already built default is only checked. The process's output goes to a log file named on
+    the terminal; a failed build fails again, with its error, in the test that needs it.
+    """
+    tasks = prebuild_tasks(session.items)
+    if not tasks or session.config.option.collectonly or os.environ.get(PREBUILD_ENV, "1") == "0":
+        return
+    log = tempfile.NamedTemporaryFile("w", prefix="sorl-prebuild-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREBUILD_CODE, *tasks],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.nice(10),
+    )
+    log.close()  # the child holds its own descriptor
+    session.config.stash[_PREBUILD] = (proc, log.name)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"building embedded defaults {tasks} in the background (pid {proc.pid}, log {log.name})")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a background build no test waited for (a build step only lands when complete)."""
+    proc, _ = session.config.stash.get(_PREBUILD, (None, None))
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 @pytest.fixture(autouse=True)

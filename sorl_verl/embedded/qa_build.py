@@ -27,6 +27,7 @@ from typing import Any
 from sorl_verl.embedded.steps import (
     EmbeddedPaths,
     build_bm25_step,
+    build_lock,
     build_tokenizer_step,
     log,
     named_warmstart,
@@ -95,13 +96,21 @@ def qa_paths(root: str | Path) -> EmbeddedPaths:
 def ensure_embedded_default(
     root: str | Path | None = None, force: bool = False, config: EmbeddedConfig | None = None, progress: bool = True
 ) -> EmbeddedPaths:
-    """Build (or reuse) the embedded default under ``root``; ``force`` rebuilds every step."""
+    """Build (or reuse) the embedded default under ``root``; ``force`` rebuilds every step.
+
+    Holds ``root``'s build lock (:func:`~sorl_verl.embedded.steps.build_lock`) throughout, so a caller
+    that comes while another process builds waits for that build and then reuses it.
+    """
+    cfg = config or EmbeddedConfig()
+    root = Path(root) if root is not None else default_root()
+    with build_lock(root):
+        return _build(root, cfg, force, progress)
+
+
+def _build(root: Path, cfg: EmbeddedConfig, force: bool, progress: bool) -> EmbeddedPaths:
     from sorl_verl.embedded.qa_world import generate_world, questions_to_parquet
     from sorl_verl.embedded.world import read_jsonl, write_world
 
-    cfg = config or EmbeddedConfig()
-    root = Path(root) if root is not None else default_root()
-    root.mkdir(parents=True, exist_ok=True)
     paths = qa_paths(root)
     timings: dict[str, float] = {}
 

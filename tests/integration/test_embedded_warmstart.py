@@ -26,10 +26,21 @@ from sorl_verl.embedded.warmstart import (
 from sorl_verl.embedded.world import read_jsonl
 
 SMALL = EmbeddedConfig(
-    seed=7, num_entities=24, num_val_per_hop=6, num_test_per_hop=6, vocab_size=800,
-    model=TinyModelSpec(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                        intermediate_size=128, max_position_embeddings=1024),
-    sft=SFTConfig(steps=30, batch_size=8, lr=5e-3, warmup_steps=3), eval_per_hop=3,
+    seed=7,
+    num_entities=24,
+    num_val_per_hop=6,
+    num_test_per_hop=6,
+    vocab_size=800,
+    model=TinyModelSpec(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+    ),
+    sft=SFTConfig(steps=30, batch_size=8, lr=5e-3, warmup_steps=3),
+    eval_per_hop=3,
 )
 
 
@@ -122,7 +133,9 @@ def test_early_stop_rate_is_a_seeded_share_of_multi_hop_questions(built) -> None
     expert = build_qa_sft_examples(tok, two, observe, progress=False)
     early = build_qa_sft_examples(tok, two, observe, progress=False, early_stop_rate=1.0)
     for (e_ids, _), (s_ids, _) in zip(expert, early, strict=True):
-        assert len(s_ids) < len(e_ids) and tok.decode(e_ids).count("<search>") - tok.decode(s_ids).count("<search>") == 1
+        assert (
+            len(s_ids) < len(e_ids) and tok.decode(e_ids).count("<search>") - tok.decode(s_ids).count("<search>") == 1
+        )
 
 
 def test_rollout_loop_scores_scripted_policies(built) -> None:
@@ -144,7 +157,7 @@ def test_rollout_loop_scores_scripted_policies(built) -> None:
         out = []
         for row in rows:
             prompt = next(p for p in script if tuple(row[: len(p)]) == p)
-            turn = row[len(prompt):].count(search_close)
+            turn = row[len(prompt) :].count(search_close)
             seq = script[prompt][turn]
             if wrong and turn == len(script[prompt]) - 1:
                 seq = tok("<answer> Nobody </answer>", add_special_tokens=False)["input_ids"]
@@ -173,14 +186,42 @@ def test_parquet_and_tokenizer_load_in_verl_rl_dataset(built, tmp_path) -> None:
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     tok = hf_tokenizer(str(built.tokenizer_dir))
-    cfg = OmegaConf.create({"max_prompt_length": 48, "filter_overlong_prompts": True, "cache_dir": str(tmp_path),
-                            "filter_overlong_prompts_workers": 1})
+    cfg = OmegaConf.create(
+        {
+            "max_prompt_length": 48,
+            "filter_overlong_prompts": True,
+            "cache_dir": str(tmp_path),
+            "filter_overlong_prompts_workers": 1,
+        }
+    )
     files = [str(built.parquet["val_1hop"]), str(built.parquet["val_2hop"])]
     ds = RLHFDataset(files, tok, cfg)
     assert len(ds) == 12, "no prompt may be filtered as overlong"
     row = ds[0]
     assert row["raw_prompt"][0]["role"] == "user" and row["agent_name"] == "search_r1"
     assert row["data_source"] in {"synthetic_1hop", "synthetic_2hop"}
+
+
+def test_a_caller_waits_for_the_build_that_holds_the_lock_then_reuses_it(built) -> None:
+    """A build in progress elsewhere (here: this test holding ``root``'s build lock, which blocks any
+    other open file of the lock, in this process too) makes ``ensure_embedded_default`` wait, then
+    reuse what was built: how the test suite's background build and its first user meet."""
+    import threading
+
+    from sorl_verl.embedded.steps import build_lock
+
+    result = {}
+
+    def call() -> None:
+        result["paths"] = ensure_embedded_default(built.root, config=SMALL, progress=False)
+
+    worker = threading.Thread(target=call, daemon=True)
+    with build_lock(built.root):
+        worker.start()
+        worker.join(timeout=2.0)  # a built root alone takes milliseconds: only the lock holds it back
+        assert worker.is_alive() and not result, "ensure_embedded_default did not wait for the build lock"
+    worker.join(timeout=60)
+    assert result["paths"].model_dir == built.model_dir
 
 
 def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, capsys) -> None:
