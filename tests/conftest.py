@@ -86,6 +86,23 @@ class Fp32Bounds:
         return 2 * logit_error / temperature + cls.between(1.0, config.vocab_size)
 
 
+#: the order the suite runs its tiers in: fast to slow (ARCHITECTURE.md's unit -> integration -> e2e)
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run unit, then integration, then e2e tests (pytest's own order is alphabetical: e2e first), each
+    tier in its collected order: fast failures show first, and the background build of
+    :func:`pytest_collection_finish` runs beside the unit and integration tests before an e2e test
+    needs it."""
+
+    def tier(item: pytest.Item) -> int:
+        parts = item.path.relative_to(REPO_ROOT / "tests").parts if item.path.is_relative_to(REPO_ROOT) else ()
+        return TIERS.index(parts[0]) if parts and parts[0] in TIERS else len(TIERS)
+
+    items.sort(key=tier)  # stable: modules and their fixtures stay together
+
+
 #: ``0`` turns the background build of :func:`pytest_collection_finish` off
 PREBUILD_ENV = "SORL_TEST_PREBUILD"
 #: what the background process runs: the builds the tests' fixtures call, in argument order
