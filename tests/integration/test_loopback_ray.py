@@ -70,10 +70,18 @@ def test_ray_node_and_every_ray_listener_are_on_loopback():
 
 
 def test_retrieval_server_binds_loopback_by_default(tmp_path):
-    from sorl_verl.embedded.qa_build import ensure_embedded_default
+    """Any index will do (the bind address is the server's): a three-document BM25 index, not the
+    embedded default, whose first build (the warm-start SFT, minutes) this test would otherwise wait for."""
+    from sorl_verl.retrieval.build import build_index
     from sorl_verl.retrieval.server import serve_in_background
 
-    index = ensure_embedded_default(progress=False).index_dir
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [("Paris", "Paris is the capital of France."), ("Rome", "Rome is the capital of Italy."),
+            ("Oslo", "Oslo is the capital of Norway.")]  # fmt: skip
+    corpus.write_text(
+        "".join(json.dumps({"id": str(i), "contents": f'"{t}"\n{x}'}) + "\n" for i, (t, x) in enumerate(docs))
+    )
+    index = build_index(corpus, tmp_path / "index", show_progress=False)
     with serve_in_background(index) as server:
         listening = {
             c.laddr
