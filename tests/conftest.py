@@ -92,15 +92,21 @@ TIERS = ("unit", "integration", "e2e")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run unit, then integration, then e2e tests (pytest's own order is alphabetical: e2e first), each
-    tier in its collected order: fast failures show first, and the background build of
-    :func:`pytest_collection_finish` runs beside the unit and integration tests before an e2e test
-    needs it."""
+    tier in its collected order but the tests of the medical default last: fast failures show first,
+    and the background build of :func:`pytest_collection_finish` has the most tests to run beside
+    before a test needs the build it waits for (the medical warm-start is the longest)."""
 
-    def tier(item: pytest.Item) -> int:
+    def order(item: pytest.Item) -> tuple[int, bool]:
         parts = item.path.relative_to(REPO_ROOT / "tests").parts if item.path.is_relative_to(REPO_ROOT) else ()
-        return TIERS.index(parts[0]) if parts and parts[0] in TIERS else len(TIERS)
+        tier = TIERS.index(parts[0]) if parts and parts[0] in TIERS else len(TIERS)
+        return tier, uses_medical_default(item)
 
-    items.sort(key=tier)  # stable: modules and their fixtures stay together
+    items.sort(key=order)  # stable: modules and their fixtures stay together
+
+
+def uses_medical_default(item: pytest.Item) -> bool:
+    """Whether ``item`` runs on the embedded medical default (the ``medical`` fixture of its e2e test)."""
+    return "medical" in getattr(item, "fixturenames", ())
 
 
 #: ``0`` turns the background build of :func:`pytest_collection_finish` off
@@ -122,7 +128,7 @@ def prebuild_tasks(items: list[pytest.Item]) -> list[str]:
     """The embedded defaults the selected tests need: ``medical`` for a test using the ``medical``
     fixture (tests/e2e/test_e2e_cpu_medical.py), ``qa`` for every other ``e2e``-marked test (they run
     ``main_ppo`` on the QA default); ``qa`` first, as the suite's order needs them."""
-    medical = [item for item in items if "medical" in getattr(item, "fixturenames", ())]
+    medical = [item for item in items if uses_medical_default(item)]
     qa = [item for item in items if item.get_closest_marker("e2e") and item not in medical]
     return [task for task, users in (("qa", qa), ("medical", medical)) if users]
 
