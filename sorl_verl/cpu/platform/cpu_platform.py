@@ -1,15 +1,7 @@
-"""verl platform for machines without an accelerator: device ``cpu``, collectives over ``gloo``.
+"""The CPU platform class and its selection rule; import it through :mod:`sorl_verl.cpu.platform`.
 
-Selected by ``VERL_PLATFORM=cpu`` or, when ``VERL_PLATFORM`` is unset, by verl's auto-detection:
-verl probes every registered platform in registration order and this one is registered last and
-claims availability only when no CUDA, ROCm or Ascend device is visible. On a machine with an
-accelerator it is never chosen unless asked for by name.
-
-Ray scheduling: verl's resource pools ask Ray for one ``GPU`` per worker and check
-``ray.available_resources()['GPU']``. On CPU the platform keeps Ray's resource name ``GPU`` and
-the run declares *logical* GPUs to Ray (``+ray_kwargs.ray_init.num_gpus=N``, set by
-``recipe/sorl/config/cpu_demo.yaml``): Ray then only counts slots, and every FSDP process runs
-on the CPU.
+That package imports verl before this module, so that the plugin's CPU section (run by verl's
+plugin loading, which imports this module) never finds it half-defined.
 """
 
 from __future__ import annotations
@@ -138,6 +130,9 @@ CPU_DEVICE_MODULE = _CPUDeviceModule()
 class PlatformCPU(PlatformBase):
     """CPU-only platform: device ``cpu``, backend ``gloo``, Ray resource ``GPU`` (logical slots)."""
 
+    #: its public name (the package re-exports it): what the doctor reports and pickles refer to
+    __module__ = "sorl_verl.cpu.platform"
+
     @property
     def device_name(self) -> str:
         return "cpu"
@@ -214,26 +209,3 @@ class PlatformCPU(PlatformBase):
 
     def cudart(self) -> Any:
         return None
-
-
-def register_cpu_platform() -> list[str]:
-    """Register :class:`PlatformCPU` under :data:`CPU_PLATFORM_NAMES`; returns the names."""
-    from verl.plugin.platform import PlatformRegistry
-
-    for name in CPU_PLATFORM_NAMES:
-        if PlatformRegistry.get(name) is not PlatformCPU:
-            PlatformRegistry.register(platform=name)(PlatformCPU)
-    return list(CPU_PLATFORM_NAMES)
-
-
-def _finish_plugin_registration() -> None:
-    """verl, imported at the top of this module, loads ``sorl_verl.plugin``; when this module was
-    imported first the plugin found it half-defined and put its CPU section off until now."""
-    import sys
-
-    plugin = sys.modules.get("sorl_verl.plugin")
-    if plugin is not None and getattr(plugin, "DEFERRED", None):
-        plugin.register_deferred()
-
-
-_finish_plugin_registration()

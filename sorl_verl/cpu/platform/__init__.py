@@ -1,0 +1,30 @@
+"""verl platform for machines without an accelerator: device ``cpu``, collectives over ``gloo``.
+
+Selected by ``VERL_PLATFORM=cpu`` or, when ``VERL_PLATFORM`` is unset, by verl's auto-detection:
+verl probes every registered platform in registration order and this one is registered last and
+claims availability only when no CUDA, ROCm or Ascend device is visible. On a machine with an
+accelerator it is never chosen unless asked for by name.
+
+Ray scheduling: verl's resource pools ask Ray for one ``GPU`` per worker and check
+``ray.available_resources()['GPU']``. On CPU the platform keeps Ray's resource name ``GPU`` and
+the run declares *logical* GPUs to Ray (``+ray_kwargs.ray_init.num_gpus=N``, set by
+``recipe/sorl/config/cpu_demo.yaml``): Ray then only counts slots, and every FSDP process runs
+on the CPU.
+
+The class and the selection rule live in :mod:`sorl_verl.cpu.platform.cpu_platform`; the plugin
+imports that module to register the class. This package imports verl first: verl loads the plugin,
+so whichever of the two a process imports first, the plugin finds the class module complete (had
+the class module imported verl itself, the plugin would run while it was half-defined).
+"""
+
+import verl  # noqa: F401 - first, see above
+
+from sorl_verl.cpu.platform.cpu_platform import (
+    CPU_DEVICE_MODULE,
+    CPU_PLATFORM_NAMES,
+    PlatformCPU,
+    accelerator_present,
+    cpu_platform_selected,
+)
+
+__all__ = ["CPU_DEVICE_MODULE", "CPU_PLATFORM_NAMES", "PlatformCPU", "accelerator_present", "cpu_platform_selected"]
