@@ -33,7 +33,7 @@ import torch.distributed as dist
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla
 
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, GradientNorms, clip_bias_gradient_norms
-from sorl_verl.algorithms.config import GRADIENT_REFERENCES, SORLKnobs, read_knobs
+from sorl_verl.algorithms.knobs import GRADIENT_REFERENCES, SORLKnobs, read_knobs
 from sorl_verl.algorithms.optim import LEDGER
 from sorl_verl.algorithms.parallel import data_parallel_group
 from sorl_verl.algorithms.surrogate import ClipRange, Surrogate, surrogate

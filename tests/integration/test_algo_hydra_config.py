@@ -11,7 +11,8 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 
-from sorl_verl.algorithms.config import SORLKnobs, SORLPolicyLossConfig, read_knobs
+from sorl_verl.algorithms.config import SORLPolicyLossConfig
+from sorl_verl.algorithms.knobs import SORLKnobs, read_knobs
 
 PREFIX = "actor_rollout_ref.actor.policy_loss"
 # What a SORL recipe adds on top of verl's ppo_trainer: the config class and its knobs.

@@ -6,7 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from sorl_verl.algorithms.config import SORLKnobs, SORLPolicyLossConfig, read_knobs
+from sorl_verl.algorithms.config import SORLPolicyLossConfig
+from sorl_verl.algorithms.knobs import SORLKnobs, read_knobs
 
 
 def test_defaults_follow_the_calibration():
