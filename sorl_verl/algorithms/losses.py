@@ -26,6 +26,7 @@ unchanged plus that diagnostic (for GRPO/PPO baselines); registration is in :mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -255,96 +256,50 @@ def _publish_to_optimizer(z: float, norm: float, rel: float, acts_on_update: boo
     LEDGER.record(1.0 / z if acts_on_update else 1.0, z, norm, rel)
 
 
-def compute_policy_loss_turn_ppo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Turn-PPO ablation: turn-level ratio, no normalization."""
-    return sorl_policy_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode,
-        config,
-        rollout_is_weights,
-        turn_level=True,
-        normalize=False,
-    )
+def _sorl_loss(loss_mode: str, turn_level: bool, normalize: bool, doc: str) -> Callable[..., tuple[torch.Tensor, dict]]:
+    """``compute_policy_loss_<loss_mode>``: :func:`sorl_policy_loss` with its two switches fixed, under
+    verl's ``PolicyLossFn`` signature."""
+
+    def loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return sorl_policy_loss(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+            turn_level=turn_level, normalize=normalize,
+        )  # fmt: skip
+
+    loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{loss_mode}"  # the module attribute it is bound to
+    loss.__doc__ = doc
+    return loss
 
 
-def compute_policy_loss_s_ppo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """S-PPO ablation: token-level ratio with clipping-triggered normalization."""
-    return sorl_policy_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode,
-        config,
-        rollout_is_weights,
-        turn_level=False,
-        normalize=True,
-    )
-
-
-def compute_policy_loss_so_ppo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """SO-PPO loss: turn-level ratio with clipping-triggered normalization."""
-    return sorl_policy_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode,
-        config,
-        rollout_is_weights,
-        turn_level=True,
-        normalize=True,
-    )
-
-
-def compute_policy_loss_so_grpo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """SO-GRPO loss: the SO-PPO loss under its own name (pair it with the ``so_grpo`` estimator)."""
-    return sorl_policy_loss(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode,
-        config,
-        rollout_is_weights,
-        turn_level=True,
-        normalize=True,
-    )
+compute_policy_loss_turn_ppo = _sorl_loss(
+    "turn_ppo", turn_level=True, normalize=False, doc="Turn-PPO ablation: turn-level ratio, no normalization."
+)
+compute_policy_loss_s_ppo = _sorl_loss(
+    "s_ppo",
+    turn_level=False,
+    normalize=True,
+    doc="S-PPO ablation: token-level ratio with clipping-triggered normalization.",
+)
+compute_policy_loss_so_ppo = _sorl_loss(
+    "so_ppo",
+    turn_level=True,
+    normalize=True,
+    doc="SO-PPO loss: turn-level ratio with clipping-triggered normalization.",
+)
+compute_policy_loss_so_grpo = _sorl_loss(
+    "so_grpo",
+    turn_level=True,
+    normalize=True,
+    doc="SO-GRPO loss: the SO-PPO loss under its own name (pair it with the ``so_grpo`` estimator).",
+)
 
 
 def compute_policy_loss_vanilla_diag(
