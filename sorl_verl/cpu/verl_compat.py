@@ -14,14 +14,14 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch.distributed.constants import default_pg_timeout
 
 from sorl_verl.cpu.loopback import use_loopback_ray
+from sorl_verl.verl_version import SUPPORTED_VERL
 
-#: verl releases the wrappers below were read against
-VERL_CHECKED = SpecifierSet(">=0.9.1,<0.10")
+#: verl releases the wrappers below were read against: the range sorl-verl declares
+VERL_CHECKED = SUPPORTED_VERL
 #: names of the verl internals wrapped in this process
 APPLIED: list[str] = []
 #: those wrapped for verl's separate-async trainer only (standalone rollout, DetachActorWorker)

@@ -2,7 +2,8 @@
 
 The SORL trainers override ``PPOTrainer._compute_advantage`` of verl's v1 trainer and rely on
 how it reads fields from TransferQueue and pads them; that is an internal contract, so the
-supported range is pinned here and checked at registration time.
+supported range (:mod:`sorl_verl.verl_version`: pyproject.toml's verl requirement) is checked at
+registration time.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ import logging
 import os
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-#: verl releases whose v1 trainer the SORL trainers are verified against (keep in sync with pyproject).
-SUPPORTED_VERL_RANGE = ">=0.9.1,<0.10"
-SUPPORTED_VERL = SpecifierSet(SUPPORTED_VERL_RANGE)
+from sorl_verl.verl_version import SUPPORTED_VERL, SUPPORTED_VERL_RANGE
+
 #: set to 1 to register the SORL trainers on an unverified verl release anyway.
 SKIP_CHECK_ENV = "SORL_VERL_SKIP_VERSION_CHECK"
 
