@@ -315,7 +315,7 @@ def render(summary_data: dict) -> str:
 
 def write_plot(metrics: str, out: Path, label: str) -> Path:
     """``sorl-verl plot``'s default panels (with validation per split) of this run, as a PNG."""
-    from sorl_verl.tools.plot import load_run, plot_runs
+    from sorl_verl.cli.plot import load_run, plot_runs
 
     return plot_runs([load_run(metrics, label)], out)
 

@@ -25,9 +25,9 @@ from verl.workers.rollout.replica import TokenOutput
 from sorl_verl.agent.episode import EpisodeLimits
 from sorl_verl.agent.prompts import INFO_OPEN, qa_prompt
 from sorl_verl.agent.search_r1_loop import SearchR1AgentLoop
+from sorl_verl.cli.eval import SearchAgent
 from sorl_verl.embedded.warmstart import greedy_rollouts, prompt_ids
 from sorl_verl.retrieval.client import format_documents
-from sorl_verl.tools.eval import SearchAgent
 
 LIMITS = EpisodeLimits(max_turns=4, response_length=4096, max_tokens_per_turn=40, max_obs_tokens=128)
 DOCS = {

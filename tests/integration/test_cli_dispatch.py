@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sorl_verl import __main__ as cli
+from sorl_verl import cli
 
 REPO = Path(__file__).resolve().parents[2]
 EXPECTED = {
@@ -23,9 +23,9 @@ EXPECTED = {
     "build-index": "sorl_verl.retrieval.build",
     "serve": "sorl_verl.retrieval.server",
     "convert": "sorl_verl.data.convert",
-    "eval": "sorl_verl.tools.eval",
-    "plot": "sorl_verl.tools.plot",
-    "demo": "sorl_verl.tools.demo",
+    "eval": "sorl_verl.cli.eval",
+    "plot": "sorl_verl.cli.plot",
+    "demo": "sorl_verl.cli.demo",
     "study": "sorl_verl.study.cli",
 }
 
@@ -129,7 +129,7 @@ def test_a_wheel_install_has_every_tool_and_the_demo_says_what_it_needs(tmp_path
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "sorl-verl = sorl_verl.__main__:main" in (site / entry_points).read_text()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = "import sorl_verl.tools.eval as m; print(m.__file__)"
+    code = "import sorl_verl.cli.eval as m; print(m.__file__)"
     assert _run("-c", code, cwd=tmp_path, env=env).stdout.strip().startswith(str(site))
     for name in ("eval", "plot"):
         proc = _run("-m", "sorl_verl", name, "--help", cwd=tmp_path, env=env)

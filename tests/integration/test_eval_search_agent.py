@@ -1,4 +1,4 @@
-"""``sorl-verl eval`` (sorl_verl/tools/eval.py): EM/F1 per data source from (a) HF generation with the search loop against the
+"""``sorl-verl eval`` (sorl_verl/cli/eval.py): EM/F1 per data source from (a) HF generation with the search loop against the
 project's live retrieval server, (b) a generations file, (c) a verl validation metrics file.
 
 The model is a tiny Llama whose weights make greedy decoding follow a fixed token chain
@@ -32,7 +32,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def eval_script():
-    from sorl_verl.tools import eval as module
+    from sorl_verl.cli import eval as module
 
     return module
 

@@ -1,4 +1,4 @@
-"""``sorl-verl plot`` (sorl_verl/tools/plot.py) on metrics
+"""``sorl-verl plot`` (sorl_verl/cli/plot.py) on metrics
 written by verl's own Tracking loggers (file, tensorboard, console), two runs overlaid, through the
 command line a user types; validation never smoothed; nothing drawn over the data."""
 
@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "sorl_verl", "plot"]  # what `sorl-verl plot` runs
 
-from sorl_verl.tools import plot as plot_metrics  # noqa: E402
+from sorl_verl.cli import plot as plot_metrics  # noqa: E402
 
 
 def _metrics(step: int, collapse: bool) -> dict[str, float]:

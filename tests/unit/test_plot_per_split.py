@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sorl_verl.tools import plot
+from sorl_verl.cli import plot
 
 SPLITS = {"synthetic_1hop": (0.58, 0.46), "synthetic_2hop": (0.0, 0.36), "synthetic_3hop": (0.01, 0.0)}
 
