@@ -2,9 +2,13 @@
 # Create .venv (if missing) and install sorl-verl with its test extras on the CPU build of torch.
 #
 #   bash scripts/setup_env.sh
+#   SORL_VENV=.venv-vllm SORL_EXTRAS=test,cpu-vllm bash scripts/setup_env.sh   # another venv, other extras
 #
+# SORL_VENV (default .venv) is the venv, SORL_EXTRAS (default test) the extras of sorl-verl installed
+# into it; SORL_PIP_NO_COMPILE=1 leaves byte-compiling to the first import (pip --no-compile: a
+# one-off venv installs faster). scripts/setup_cpu_vllm.sh uses all three.
 # Python: $PYTHON_BIN if set, else the first of python3.11, python3.12, python3.10, python3 on PATH
-# whose version is 3.10-3.12 (pyproject's requires-python). An existing .venv is reused.
+# whose version is 3.10-3.12 (pyproject's requires-python). An existing venv is reused.
 # torch: the CPU build, torch==$TORCH_VERSION+cpu (default 2.13.0), pinned before anything else so
 # that no dependency pulls PyPI's CUDA wheel (and its CUDA libraries). It comes from the first of
 #   1. a wheel pip finds without an index (pip's find-links: PIP_FIND_LINKS=/folder/with/wheels),
@@ -15,6 +19,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+VENV=${SORL_VENV:-.venv}
+EXTRAS=${SORL_EXTRAS:-test}
 
 die() {
   echo "[setup] error: $*" >&2
@@ -43,14 +49,14 @@ find_python() {
   die "no Python 3.10-3.12 on PATH (tried python3.11, python3.12, python3.10, python3); install one or set PYTHON_BIN=/path/to/python3.X"
 }
 
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x "$VENV/bin/python" ]; then
   PYTHON=$(find_python)
-  echo "[setup] creating .venv with $PYTHON ($("$PYTHON" -V 2>&1))"
-  "$PYTHON" -m venv .venv
+  echo "[setup] creating $VENV with $PYTHON ($("$PYTHON" -V 2>&1))"
+  "$PYTHON" -m venv "$VENV"
 fi
-python_ok .venv/bin/python || die ".venv does not run a Python 3.10-3.12 ($(.venv/bin/python -V 2>&1 | head -n 1)): remove .venv and run again (PYTHON_BIN picks the interpreter)"
+python_ok "$VENV/bin/python" || die "$VENV does not run a Python 3.10-3.12 ($("$VENV/bin/python" -V 2>&1 | head -n 1)): remove $VENV and run again (PYTHON_BIN picks the interpreter)"
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "$VENV/bin/activate"
 
 if [ "$(uname -s)" = Darwin ]; then
   TORCH_SPEC="torch==$TORCH_VERSION"
@@ -58,6 +64,7 @@ else
   TORCH_SPEC="torch==$TORCH_VERSION+cpu"
 fi
 PIP=(python -m pip install -q --disable-pip-version-check)
+[ "${SORL_PIP_NO_COMPILE:-0}" = 1 ] && PIP+=(--no-compile)
 
 # install_torch: the CPU build of torch alone (its dependencies come with the project below)
 install_torch() {
@@ -77,13 +84,24 @@ install_torch() {
   fi
 }
 
-stamp=.venv/.sorl_installed
-# reinstall when the stamp is missing, older than pyproject.toml, or names another torch (an empty
-# stamp, from before the pin was recorded, counts as this one)
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ -s "$stamp" ] && [ "$(cat "$stamp")" != "$TORCH_SPEC" ]; }; then
-  echo "[setup] installing $TORCH_SPEC (CPU) and sorl-verl[test] into .venv"
+# The stamp: line 1 the torch pin, line 2 the extras installed (absent: test; an empty stamp, from
+# before the pin was recorded, counts as this pin).
+stamp=$VENV/.sorl_installed
+# 0 if the stamp records this torch and every extra asked for
+stamp_ok() {
+  [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ] || return 1
+  local torch_line extras_line extra
+  torch_line=$(sed -n 1p "$stamp")
+  extras_line=$(sed -n 2p "$stamp")
+  [ -z "$torch_line" ] || [ "$torch_line" = "$TORCH_SPEC" ] || return 1
+  for extra in ${EXTRAS//,/ }; do
+    case ",${extras_line:-test}," in *",$extra,"*) ;; *) return 1 ;; esac
+  done
+}
+if ! stamp_ok; then
+  echo "[setup] installing $TORCH_SPEC (CPU) and sorl-verl[$EXTRAS] into $VENV"
   install_torch
   # the pin again, so that the resolver keeps this torch while it adds torch's and the project's dependencies
-  "${PIP[@]}" -e ".[test]" "$TORCH_SPEC"
-  echo "$TORCH_SPEC" >"$stamp"
+  "${PIP[@]}" -e ".[$EXTRAS]" "$TORCH_SPEC"
+  printf '%s\n%s\n' "$TORCH_SPEC" "$EXTRAS" >"$stamp"
 fi
