@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from verl.workers.config import ActorConfig
 
@@ -53,15 +54,29 @@ def finish(line):
     _os._exit(0)
 """
 
-RANK_SCRIPT = FINISH + """
+# One launch of two gloo ranks serves both two-rank tests (each launch imports verl in every rank):
+# the optimizer step first, on the empty ledger of a fresh interpreter, then both clipping scopes.
+TWO_RANK_SCRIPT = (
+    FINISH
+    + """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
+from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
 rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+# two data-parallel ranks with different normalizers in one optimizer step
+param = torch.nn.Parameter(torch.ones(4))
+opt = optim.SGD([param], lr=0.1)
+opt.zero_grad()
+param.grad = torch.ones(4)
+for z in ([1.0, 1.0] if rank == 0 else [3.0, 2.0]):
+    optim.LEDGER.record(1.0 / z, z, 0.0, 0.0)
+opt.step()
+out = {"optimizer": {"scale": opt.last_update["scale"], "param": param.tolist()}}
+optim.LEDGER.clear()  # the losses below publish their normalizers to the ledger
 old, new, adv, mask = torch.load(path)[rank]
-out = {}
 for scope in ("global", "micro_batch"):
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4,
                          policy_loss=SORLPolicyLossConfig(clip_norm_scope=scope, clip_norm_tau=0.5, clip_norm_reference="absolute"))
@@ -69,6 +84,7 @@ for scope in ("global", "micro_batch"):
     out[scope] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
 finish("RESULT" + json.dumps(out))
 """
+)
 
 
 def free_port() -> int:
@@ -77,7 +93,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(path: str, script: str = RANK_SCRIPT, world_size: int = 2) -> list[dict]:
+def run_ranks(path: str, script: str, world_size: int) -> list[dict]:
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -96,10 +112,16 @@ def run_two_ranks(path: str, script: str = RANK_SCRIPT, world_size: int = 2) -> 
     return results
 
 
-def test_global_scope_equals_micro_batch_scope_over_the_union(tmp_path):
-    parts = shards()
-    torch.save(parts, tmp_path / "shards.pt")
-    ranks = run_two_ranks(str(tmp_path / "shards.pt"))
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results of :data:`TWO_RANK_SCRIPT` on :func:`shards` (seed 0)."""
+    path = tmp_path_factory.mktemp("two_ranks") / "shards.pt"
+    torch.save(shards(), path)
+    return run_ranks(str(path), TWO_RANK_SCRIPT, world_size=2)
+
+
+def test_global_scope_equals_micro_batch_scope_over_the_union(two_ranks):
+    parts, ranks = shards(), two_ranks
     # The union of both ranks' rows as one micro-batch, micro_batch scope, in this process.
     union = [torch.cat([p[i] for p in parts]) for i in range(4)]
     _, union_metrics = compute_policy_loss_so_grpo(*union, "token-mean", actor("micro_batch"))
@@ -113,7 +135,9 @@ def test_global_scope_equals_micro_batch_scope_over_the_union(tmp_path):
 
 # 4 ranks laid out like pipeline parallelism with 2 stages x 2 data-parallel ranks: only the last
 # stage (ranks 2, 3) computes the loss, so the reduction must stay inside its data-parallel group.
-PIPELINE_SCRIPT = FINISH + """
+PIPELINE_SCRIPT = (
+    FINISH
+    + """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
@@ -133,12 +157,13 @@ if rank >= 2:
 dist.barrier()
 finish("RESULT" + json.dumps(out))
 """
+)
 
 
 def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_compute_the_loss(tmp_path):
     parts = shards(seed=1)
     torch.save(parts, tmp_path / "shards.pt")
-    ranks = run_two_ranks(str(tmp_path / "shards.pt"), PIPELINE_SCRIPT, world_size=4)
+    ranks = run_ranks(str(tmp_path / "shards.pt"), PIPELINE_SCRIPT, world_size=4)
     union = [torch.cat([p[i] for p in parts]) for i in range(4)]
     _, union_metrics = compute_policy_loss_so_grpo(*union, "token-mean", actor("micro_batch"))
     assert ranks[0] == ranks[1] == {}
@@ -147,26 +172,10 @@ def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_com
         assert abs(result["global"][1] - union_metrics["sorl/norm_factor"]) < 1e-9
 
 
-# Two data-parallel ranks with different normalizers in one optimizer step: the step factor is the
-# mean of 1/Z over both ranks' micro-batches, so every rank (and every FSDP shard) scales alike.
-OPTIMIZER_SCRIPT = FINISH + """
-import json, sys, torch, torch.distributed as dist
-from sorl_verl.algorithms import optim
-rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-param = torch.nn.Parameter(torch.ones(4))
-opt = optim.SGD([param], lr=0.1)
-opt.zero_grad()
-param.grad = torch.ones(4)
-for z in ([1.0, 1.0] if rank == 0 else [3.0, 2.0]):
-    optim.LEDGER.record(1.0 / z, z, 0.0, 0.0)
-opt.step()
-finish("RESULT" + json.dumps({"scale": opt.last_update["scale"], "param": param.tolist()}))
-"""
-
-
-def test_optimizer_step_factor_is_averaged_over_data_parallel_ranks(tmp_path):
-    ranks = run_two_ranks(str(tmp_path / "unused"), OPTIMIZER_SCRIPT)
+# Two data-parallel ranks with different normalizers in one optimizer step (TWO_RANK_SCRIPT): the step
+# factor is the mean of 1/Z over both ranks' micro-batches, so every rank (and every FSDP shard) scales alike.
+def test_optimizer_step_factor_is_averaged_over_data_parallel_ranks(two_ranks):
+    ranks = [result["optimizer"] for result in two_ranks]
     expected = (1 + 1 + 1 / 3 + 1 / 2) / 4
     for result in ranks:
         assert abs(result["scale"] - expected) < 1e-15
