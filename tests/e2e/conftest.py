@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -203,3 +204,83 @@ def main_ppo(embedded, retrieval):
         return MainPPORun(records=read_records(metrics), log=log, listening=listening)
 
     return run
+
+
+SO_GRPO = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
+
+
+@dataclass(frozen=True)
+class GuardedRun:
+    """The forced-collapse SO-GRPO scenario (see :func:`guarded_so_grpo`), run once per session.
+
+    ``first``: the run SIGKILLed after step 5, with ``first_prompts`` (step -> its sorted prompts) as
+    it dumped them and ``first_ckpt``, a copy of its checkpoint folder as it left it; ``resumed``:
+    verl's resume of it to step 6, which dumps over the same folder (``root/rollouts``, verl's
+    ``trainer.rollout_data_dir``) and checkpoints into the same ``root/ckpt`` (its final step too).
+    """
+
+    root: Path
+    first: MainPPORun
+    first_prompts: dict[int, list[str]]
+    first_ckpt: Path
+    resumed: MainPPORun
+    lr: float
+    fault: float
+    backoff: float
+
+    @property
+    def ckpt(self) -> Path:
+        """The checkpoint folder after both launches."""
+        return self.root / "ckpt"
+
+    def prompts(self, step: int) -> list[str]:
+        """The sorted prompts of ``step``'s rollout as dumped last (by the resumed run from step 5 on)."""
+        return dumped_prompts(self.root / "rollouts", step)
+
+
+def dumped_prompts(rollouts: Path, step: int) -> list[str]:
+    lines = (rollouts / f"{step}.jsonl").read_text().splitlines()
+    return sorted(json.loads(line)["input"] for line in lines)
+
+
+@pytest.fixture(scope="session")
+def guarded_so_grpo(tmp_path_factory, main_ppo) -> GuardedRun:
+    """One SO-GRPO run (sync trainer, small sizes, 24 greedy validation questions every 2 steps, verl's
+    own checkpoint every 4 steps) at lr 1e-5 with ``sorl.fault_injection`` raising the learning rate
+    10^4-fold on steps 3 and 4, the collapse guard on (drop 0.3, patience 1, backoff 0.5, one restore);
+    SIGKILLed after step 5, then resumed by verl to step 6.
+
+    Shared by two tests that read the same records: the guard test (restore, kill, resume) and the
+    SO-GRPO step test (SORL metrics of the clean steps 1-2 and of the resumed steps, resume from the
+    latest checkpoint), which needed two launches of its own before (about 3 minutes of CI).
+    """
+    lr, fault, backoff = 1e-5, 1e4, 0.5
+    guard = [
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        "data.val_max_samples=24",
+        "data.val_batch_size=24",
+        "trainer.test_freq=2",
+        "trainer.save_freq=4",
+        "sorl.guard.enable=true",
+        "sorl.guard.drop=0.3",
+        "sorl.guard.patience=1",
+        f"sorl.guard.backoff={backoff}",
+        "sorl.guard.max_restores=1",
+        f"sorl.fault_injection.lr_factor={fault}",
+        "sorl.fault_injection.from_step=3",
+        "sorl.fault_injection.until_step=5",
+    ]
+    root = tmp_path_factory.mktemp("guarded_so_grpo")
+    rollouts = root / "rollouts"
+
+    def after_step_5(records: list[dict]) -> bool:
+        done = any(r["step"] >= 5 and "timing_s/step" in r["data"] for r in records)
+        return done and (rollouts / "5.jsonl").exists() and len(dumped_prompts(rollouts, 5)) == 8  # 4 prompts x 2
+
+    dump = f"trainer.rollout_data_dir={rollouts}"
+    first = main_ppo(root, SO_GRPO, [*guard, dump, "trainer.total_training_steps=8", "trainer.resume_mode=disable"],
+                     kill_when=after_step_5)  # fmt: skip
+    first_prompts = {s: dumped_prompts(rollouts, s) for s in range(1, 6) if (rollouts / f"{s}.jsonl").exists()}
+    first_ckpt = shutil.copytree(root / "ckpt", root / "ckpt_after_kill", symlinks=True)  # ~15 MB per step
+    resumed = main_ppo(root, SO_GRPO, [*guard, dump, "trainer.total_training_steps=6", "trainer.resume_mode=auto"])
+    return GuardedRun(root, first, first_prompts, first_ckpt, resumed, lr=lr, fault=fault, backoff=backoff)

@@ -8,6 +8,8 @@ best and gets the guard's checkpoint; validation at step 4 falls below (1 - 0.3)
 patience 1 the guard restores step 2 (actor weights, optimizer, data position), halves the learning
 rate and saves the restored state over verl's step-4 checkpoint. The run is SIGKILLed after step 5;
 verl's resume from step 4 trains steps 5-6 with the guard's state read back from that checkpoint.
+The two launches are the session fixture ``guarded_so_grpo`` (tests/e2e/conftest.py), whose records
+tests/e2e/test_e2e_cpu_main_ppo.py also reads for its SO-GRPO step and resume checks.
 """
 
 from __future__ import annotations
@@ -22,23 +24,6 @@ from sorl_verl.trainer.guard_rule import GuardConfig, validation_score
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SO_GRPO = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
-LR, FAULT, BACKOFF = 1e-5, 1e4, 0.5
-GUARD = [
-    f"actor_rollout_ref.actor.optim.lr={LR}",
-    "data.val_max_samples=24",
-    "data.val_batch_size=24",
-    "trainer.test_freq=2",
-    "trainer.save_freq=4",
-    "sorl.guard.enable=true",
-    "sorl.guard.drop=0.3",
-    "sorl.guard.patience=1",
-    f"sorl.guard.backoff={BACKOFF}",
-    "sorl.guard.max_restores=1",
-    f"sorl.fault_injection.lr_factor={FAULT}",
-    "sorl.fault_injection.from_step=3",
-    "sorl.fault_injection.until_step=5",
-]
 #: a sync step rolls out with the weights the actor then scores: the rollout/actor probability gap is
 #: float noise (~5e-6 in fp32, docs/cpu.md); a replica left with the collapsed weights differs by O(0.1)
 ROLLOUT_AGREES = 1e-3
@@ -62,36 +47,26 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
             assert torch.equal(local(a[key]), local(b[key])), f"{what}.{key} differs"
 
 
-def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(tmp_path, main_ppo):
-    rollouts = tmp_path / "rollouts"  # verl's dump of every step's prompts and responses
-
-    def prompts(step: int) -> list[str]:
-        return sorted(json.loads(line)["input"] for line in (rollouts / f"{step}.jsonl").read_text().splitlines())
-
-    def after_step_5(records: list[dict]) -> bool:
-        done = any(r["step"] >= 5 and "timing_s/step" in r["data"] for r in records)
-        return done and (rollouts / "5.jsonl").exists() and len(prompts(5)) == 8  # 4 prompts x 2 samples
-
-    dump = f"trainer.rollout_data_dir={rollouts}"
-    first = main_ppo(tmp_path, SO_GRPO, [*GUARD, dump, "trainer.total_training_steps=8", "trainer.resume_mode=disable"],
-                     kill_when=after_step_5)  # fmt: skip
-    steps = first.train_steps()
+def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(guarded_so_grpo):
+    run = guarded_so_grpo  # the scenario of the module docstring (tests/e2e/conftest.py runs it once)
+    lr, fault, backoff = run.lr, run.fault, run.backoff
+    steps = run.first.train_steps()
     assert sorted(steps)[:5] == [1, 2, 3, 4, 5], sorted(steps)
     pattern = GuardConfig().val_metric
     best = validation_score(steps[2], pattern)
     collapsed = validation_score(steps[4], pattern)
     assert best is not None and best > 0, f"the warm-started model must score at step 2: {best}"
-    assert collapsed < (1 - 0.3) * best, f"lr x {FAULT} on steps 3-4 must collapse the score: {collapsed} vs {best}"
+    assert collapsed < (1 - 0.3) * best, f"lr x {fault} on steps 3-4 must collapse the score: {collapsed} vs {best}"
 
     assert steps[2]["sorl/guard/best_step"] == 2 and steps[2]["sorl/guard/restores"] == 0
     s4 = steps[4]
     assert s4["sorl/guard/collapse"] == 1 and s4["sorl/guard/reason"] == 1  # 1 = validation
-    assert s4["sorl/guard/restores"] == 1 and s4["sorl/guard/lr_scale"] == BACKOFF
+    assert s4["sorl/guard/restores"] == 1 and s4["sorl/guard/lr_scale"] == backoff
     assert steps[5]["sorl/guard/collapse"] == 0 and steps[5]["sorl/guard/restores"] == 1
     # the replicas generate with the restored weights
     assert float(steps[5]["training/rollout_probs_diff_max"]) < ROLLOUT_AGREES
 
-    ckpt = tmp_path / "ckpt"
+    ckpt = run.first_ckpt  # as the killed run left it (the resume checkpoints its step 6 into run.ckpt)
     best_dir = ckpt / "sorl_guard" / "best_step_2"
     restored = ckpt / "global_step_4"  # verl's own save at step 4, overwritten by the restored state
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
@@ -99,24 +74,24 @@ def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(tmp_path, m
         assert_same_tensors(shard(best_dir, kind), shard(restored, kind), kind)
         assert_same_tensors(shard(ckpt / "global_step_2", kind), shard(best_dir, kind), kind)
     # the data position came back with the weights: step 5 trains on the prompts of step 3
-    assert prompts(5) == prompts(3) and prompts(3) != prompts(4)
+    first = run.first_prompts
+    assert first[5] == first[3] and first[3] != first[4]
     state = json.loads((restored / "sorl_guard.json").read_text())
-    assert (state["restores"], state["lr_scale"], state["best_step"]) == (1, BACKOFF, 2)
+    assert (state["restores"], state["lr_scale"], state["best_step"]) == (1, backoff, 2)
     events = [json.loads(line) for line in (ckpt / "sorl_guard" / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"]) for e in events] == [("new_best", 2), ("restore", 4)]
 
-    resumed = main_ppo(tmp_path, SO_GRPO, [*GUARD, dump, "trainer.total_training_steps=6", "trainer.resume_mode=auto"])
-    again = resumed.train_steps()
+    again = run.resumed.train_steps()
     assert sorted(again) == [5, 6], "verl resumes from the restored checkpoint of step 4"
     for m in again.values():
-        assert m["sorl/guard/restores"] == 1 and m["sorl/guard/lr_scale"] == BACKOFF
+        assert m["sorl/guard/restores"] == 1 and m["sorl/guard/lr_scale"] == backoff
         assert m["sorl/guard/collapse"] == 0
     final = validation_score(again[6], pattern)
     assert final >= 0.9 * best, (final, best)
-    assert prompts(5) == prompts(3), "the resumed run starts from the restored data position too"
+    assert run.prompts(5) == run.prompts(3), "the resumed run starts from the restored data position too"
 
     # the learning rate of every optimizer step (the SORL optimizer's update log): lr, fault x 10^4 on
     # steps 3-4, then the backed-off lr after the restore, in the killed run and after the resume
-    lrs = [json.loads(line)["lr"] for line in (ckpt / "sorl_updates.jsonl").read_text().splitlines()]
-    assert lrs[:4] == pytest.approx([LR, LR, LR * FAULT, LR * FAULT], rel=1e-9)
-    assert lrs[4:] == pytest.approx([LR * BACKOFF] * len(lrs[4:]), rel=1e-9) and len(lrs) >= 6
+    lrs = [json.loads(line)["lr"] for line in (run.ckpt / "sorl_updates.jsonl").read_text().splitlines()]
+    assert lrs[:4] == pytest.approx([lr, lr, lr * fault, lr * fault], rel=1e-9)
+    assert lrs[4:] == pytest.approx([lr * backoff] * len(lrs[4:]), rel=1e-9) and len(lrs) >= 6

@@ -45,38 +45,35 @@ def assert_sorl_step_metrics(m: dict) -> None:
     assert sorl["actor/sorl/turn_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_so_grpo_two_steps_then_resume(tmp_path, main_ppo):
-    algo = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
-    records = run_main_ppo(
-        tmp_path,
-        main_ppo,
-        algo,
-        ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.resume_mode=disable"],
-    )
-    steps = train_steps(records)
-    assert sorted(steps) == [1, 2]
-    for m in steps.values():
+def test_so_grpo_two_steps_then_resume(guarded_so_grpo):
+    """SO-GRPO's step metrics and verl's resume, read from the guard test's session run (tests/e2e/
+    conftest.py: small sizes, lr 1e-5, a forced collapse on steps 3-4, killed after step 5, resumed
+    to step 6), so that no launch of its own is needed: steps 1-2 are plain SO-GRPO steps before the
+    fault, and the resumed launch trains only the steps after the latest checkpoint."""
+    run = guarded_so_grpo
+    steps = run.first.train_steps()
+    clean = {s: steps[s] for s in (1, 2)}  # before the fault injection (steps 3-4)
+    for m in clean.values():
         assert_sorl_step_metrics(m)
         assert "critic/values/mean" not in m  # no critic for so_grpo
     # turns are runs of response_mask == 1: more than one turn in a row means the retrieved
     # <information> tokens between them were masked out of the policy loss
-    assert max(float(m["actor/sorl/num_turns_mean"]) for m in steps.values()) > 1.0
-    assert max(float(m["num_turns/max"]) for m in steps.values()) > 2  # verl's count: messages per episode
+    assert max(float(m["actor/sorl/num_turns_mean"]) for m in clean.values()) > 1.0
+    assert max(float(m["num_turns/max"]) for m in clean.values()) > 2  # verl's count: messages per episode
     # search_r1's per-episode stats, logged by the SORL trainer from the rows' extra_fields
-    for m in steps.values():
+    for m in clean.values():
         assert 0.0 <= float(m["agent/valid_action_ratio"]) <= 1.0
         assert 0.0 <= float(m["agent/finished_ratio"]) <= 1.0
-    assert max(float(m["agent/searches_mean"]) for m in steps.values()) > 0.0
-    ckpt = tmp_path / "ckpt"
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert any((ckpt / "global_step_2" / "actor").iterdir())
+    assert max(float(m["agent/searches_mean"]) for m in clean.values()) > 0.0
+    ckpt = run.first_ckpt  # as the killed run left it
+    latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
+    assert latest == 4 and any((ckpt / "global_step_4" / "actor").iterdir())  # trainer.save_freq=4
 
-    resumed = run_main_ppo(
-        tmp_path, main_ppo, algo, ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=auto"]
-    )
-    resumed_steps = train_steps(resumed)
-    assert sorted(resumed_steps) == [3], "resume from global_step_2 trains only step 3"
-    assert_sorl_step_metrics(resumed_steps[3])
+    resumed_steps = run.resumed.train_steps()
+    assert sorted(resumed_steps) == [5, 6], "resume from global_step_4 trains only steps 5-6"
+    for m in resumed_steps.values():
+        assert_sorl_step_metrics(m)
+        assert "critic/values/mean" not in m
 
 
 def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
