@@ -160,11 +160,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop a background build no test waited for (a build step only lands when complete)."""
-    proc, _ = session.config.stash.get(_PREBUILD, (None, None))
-    if proc is not None and proc.poll() is None:
+    """Stop a background build no test waited for (a build step only lands when complete); the log
+    of one that succeeded is removed."""
+    proc, log = session.config.stash.get(_PREBUILD, (None, None))
+    if proc is None:
+        return
+    if proc.poll() is None:
         proc.terminate()
         proc.wait(timeout=60)
+    elif proc.returncode == 0:
+        os.unlink(log)
 
 
 @pytest.fixture(autouse=True)
