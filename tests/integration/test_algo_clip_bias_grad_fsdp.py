@@ -6,9 +6,6 @@ two ranks (scope ``global``) equals that of one rank holding both ranks' rows.""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -32,7 +29,6 @@ def load(relative: str) -> ModuleType:
     return module
 
 
-GLOBAL_SCOPE = load("integration/test_algo_global_scope.py")
 CASES = load("unit/test_algo_clip_bias_grad.py")
 TinyLM, problem = CASES.TinyLM, CASES.problem
 
@@ -72,9 +68,8 @@ def run_step(model, data, rank, world, reference, tau, engine_hooks):
     return metrics
 
 
-RANK_SCRIPT = (
-    GLOBAL_SCOPE.FINISH
-    + """
+#: each rank: argv = rank, world, port, data path, this file (conftest.gloo_ranks)
+RANK_SCRIPT = """
 import importlib.util, json, sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 spec = importlib.util.spec_from_file_location("fsdp_case", sys.argv[5])
@@ -95,26 +90,6 @@ for reference, tau in (("absolute", 1e30), ("gradient", 1e30), ("gradient", 1e-3
     out[f"{reference}-{tau:g}"] = {"metrics": metrics, "grads": grads}
 finish("RESULT" + json.dumps(out))
 """
-)
-
-
-def run_ranks(path: str, world: int) -> list[dict]:
-    port = str(GLOBAL_SCOPE.free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, str(rank), str(world), port, path, __file__],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.split("RESULT", 1)[1]))
-    return results
 
 
 def local_gradient_mass(data, world: int) -> torch.Tensor:
@@ -130,13 +105,13 @@ def local_gradient_mass(data, world: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, gloo_ranks):
     _, ids, old, adv, mask = problem(seed=41, rows=ROWS, length=10)
     mask[3] = False  # rank 1's first micro-batch: rows 2-3, one of them without policy tokens (row 7 too)
     data = (ids, old, adv, mask)
     path = str(tmp_path_factory.mktemp("fsdp") / "data.pt")
     torch.save(data, path)
-    return data, {world: run_ranks(path, world) for world in (1, 2)}
+    return data, {world: gloo_ranks(RANK_SCRIPT, world, path, __file__) for world in (1, 2)}
 
 
 def flat(grads: list[list[float]]) -> torch.Tensor:

@@ -4,11 +4,6 @@ optimizer averages its step factor over that group."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 from verl.workers.config import ActorConfig
@@ -40,31 +35,17 @@ def actor(scope: str) -> ActorConfig:
     )
 
 
-# Runs in each rank's own interpreter (a pytest test module cannot be pickled by name).
-#: how every rank script ends: a barrier (both ranks are past their last collective), the result
-#: line flushed, then ``os._exit(0)``. Tearing gloo down (``destroy_process_group`` or interpreter
-#: exit) can abort a rank with "terminate called without an active exception" after the work is
-#: done; the result is what the tests check, so the ranks leave without that teardown.
-FINISH = """
-import os as _os, sys as _sys, torch.distributed as _dist
-def finish(line):
-    _dist.barrier()
-    print(line, flush=True)
-    _sys.stderr.flush()
-    _os._exit(0)
-"""
-
+# Rank scripts run by the gloo_ranks fixture (tests/integration/conftest.py): argv = rank, world,
+# port, shards path; they end with its finish().
 # One launch of two gloo ranks serves both two-rank tests (each launch imports verl in every rank):
 # the optimizer step first, on the empty ledger of a fresh interpreter, then both clipping scopes.
-TWO_RANK_SCRIPT = (
-    FINISH
-    + """
+TWO_RANK_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
 from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
-rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, port, path = int(sys.argv[1]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 # two data-parallel ranks with different normalizers in one optimizer step
 param = torch.nn.Parameter(torch.ones(4))
@@ -84,40 +65,14 @@ for scope in ("global", "micro_batch"):
     out[scope] = [metrics["sorl/clip_bias_norm"], metrics["sorl/norm_factor"]]
 finish("RESULT" + json.dumps(out))
 """
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(path: str, script: str, world_size: int) -> list[dict]:
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(rank), port, path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.split("RESULT", 1)[1]))
-    return results
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
+def two_ranks(tmp_path_factory, gloo_ranks) -> list[dict]:
     """Each rank's results of :data:`TWO_RANK_SCRIPT` on :func:`shards` (seed 0)."""
     path = tmp_path_factory.mktemp("two_ranks") / "shards.pt"
     torch.save(shards(), path)
-    return run_ranks(str(path), TWO_RANK_SCRIPT, world_size=2)
+    return gloo_ranks(TWO_RANK_SCRIPT, 2, str(path))
 
 
 def test_global_scope_equals_micro_batch_scope_over_the_union(two_ranks):
@@ -135,15 +90,13 @@ def test_global_scope_equals_micro_batch_scope_over_the_union(two_ranks):
 
 # 4 ranks laid out like pipeline parallelism with 2 stages x 2 data-parallel ranks: only the last
 # stage (ranks 2, 3) computes the loss, so the reduction must stay inside its data-parallel group.
-PIPELINE_SCRIPT = (
-    FINISH
-    + """
+PIPELINE_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 from verl.workers.config import ActorConfig
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
 from sorl_verl.algorithms.parallel import set_data_parallel_group
-rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, port, path = int(sys.argv[1]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
 groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
 out = {}
@@ -157,13 +110,12 @@ if rank >= 2:
 dist.barrier()
 finish("RESULT" + json.dumps(out))
 """
-)
 
 
-def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_compute_the_loss(tmp_path):
+def test_global_scope_reduces_over_the_data_parallel_group_of_the_ranks_that_compute_the_loss(tmp_path, gloo_ranks):
     parts = shards(seed=1)
     torch.save(parts, tmp_path / "shards.pt")
-    ranks = run_ranks(str(tmp_path / "shards.pt"), PIPELINE_SCRIPT, world_size=4)
+    ranks = gloo_ranks(PIPELINE_SCRIPT, 4, str(tmp_path / "shards.pt"))
     union = [torch.cat([p[i] for p in parts]) for i in range(4)]
     _, union_metrics = compute_policy_loss_so_grpo(*union, "token-mean", actor("micro_batch"))
     assert ranks[0] == ranks[1] == {}
