@@ -1,6 +1,6 @@
 """verl v1 trainers that hand critic values to the ``so_ppo`` turn-level GAE estimator.
 
-verl 0.9.x (range pinned in :mod:`sorl_verl.trainer.verl_compat`) computes critic values into
+verl 0.9.x (the range of :mod:`sorl_verl.verl_version`, checked at registration) computes critic values into
 TransferQueue under ``"values"`` but calls registered advantage estimators without them. Each
 trainer here subclasses verl's trainer for one mode and, when ``algorithm.adv_estimator ==
 "so_ppo"``, wraps ``_compute_advantage``: it reads ``"values"`` and ``"response_mask"`` for the
