@@ -5,8 +5,7 @@
 #   SORL_VENV=.venv-vllm SORL_EXTRAS=test,cpu-vllm bash scripts/setup_env.sh   # another venv, other extras
 #
 # SORL_VENV (default .venv) is the venv, SORL_EXTRAS (default test) the extras of sorl-verl installed
-# into it; SORL_PIP_NO_COMPILE=1 leaves byte-compiling to the first import (pip --no-compile: a
-# one-off venv installs faster). scripts/setup_cpu_vllm.sh uses all three.
+# into it; scripts/setup_cpu_vllm.sh uses both.
 # Python: $PYTHON_BIN if set, else the first of python3.11, python3.12, python3.10, python3 on PATH
 # whose version is 3.10-3.12 (pyproject's requires-python). An existing venv is reused.
 # torch: the CPU build, torch==$TORCH_VERSION+cpu (default 2.13.0), pinned before anything else so
@@ -64,7 +63,6 @@ else
   TORCH_SPEC="torch==$TORCH_VERSION+cpu"
 fi
 PIP=(python -m pip install -q --disable-pip-version-check)
-[ "${SORL_PIP_NO_COMPILE:-0}" = 1 ] && PIP+=(--no-compile)
 
 # install_torch: the CPU build of torch alone (its dependencies come with the project below)
 install_torch() {
