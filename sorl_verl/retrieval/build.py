@@ -130,13 +130,24 @@ def build_index(
     return out_dir
 
 
+def _show_progress(flag: bool | None, stream: Any = None) -> bool:
+    """``--progress``/``--no-progress`` as given; unset: bars only when ``stream`` (stderr) is a terminal."""
+    if flag is not None:
+        return flag
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sorl_verl.retrieval.build", description=__doc__.split("\n")[0])
     p.add_argument("--corpus", required=True, help="JSON lines {id, contents} (Search-R1 wiki-18 format)")
     p.add_argument("--out", required=True, help="index directory to create")
     p.add_argument("--method", choices=METHODS, default="bm25")
     p.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bars on stderr (default: only when stderr is a terminal, so logs hold no carriage returns)",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="bm25: processes for text analysis (default 1)")
     p.add_argument("--memory-mb", type=float, help="bm25: postings held in memory before spilling sorted runs to disk "
                    f"(default {bm25_build.default_memory_mb()} here: 1/8 of RAM within [256, 4096])")  # fmt: skip
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             params[n] = None
     try:
         out = build_index(
-            a.corpus, a.out, a.method, overwrite=a.overwrite, show_progress=not a.no_progress, workers=a.workers,
+            a.corpus, a.out, a.method, overwrite=a.overwrite, show_progress=_show_progress(a.progress), workers=a.workers,
             memory_mb=a.memory_mb, **params,
         )  # fmt: skip
     except (CorpusFormatError, FileNotFoundError, FileExistsError, ValueError) as e:

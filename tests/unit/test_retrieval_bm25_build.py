@@ -11,7 +11,7 @@ import pytest
 
 from sorl_verl.retrieval import bm25_build
 from sorl_verl.retrieval.bm25 import BM25_FILES, DATA_FILE, INDICES_FILE, INDPTR_FILE, VOCAB_FILE, bm25_params
-from sorl_verl.retrieval.build import build_index, main
+from sorl_verl.retrieval.build import _show_progress, build_index, main
 from sorl_verl.retrieval.corpus import CorpusFormatError
 
 WORDS = [f"t{i}q" for i in range(400)] + ["river", "rivers", "the", "of", "mountain"]
@@ -125,3 +125,24 @@ def test_files_are_the_bm25s_set(tmp_path: Path) -> None:
     assert set(BM25_FILES) <= {p.name for p in index.iterdir()}
     with pytest.raises(ValueError, match="memory_mb"):
         build_index(tmp_path / "c.jsonl", tmp_path / "j", show_progress=False, memory_mb=-1)
+
+
+def test_cli_draws_progress_bars_only_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No flag: bars only when stderr is a TTY (capsys's is not), so redirected logs hold no ``\\r``."""
+    _corpus(tmp_path / "c.jsonl", n=50)
+    main(["--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "quiet")])
+    assert "\r" not in capsys.readouterr().err
+    main(["--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "bars"), "--progress"])
+    assert "index bm25" in capsys.readouterr().err  # asked for: drawn even off a terminal
+
+
+def test_show_progress_follows_the_flag_then_the_stream() -> None:
+    class Stream:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    assert _show_progress(None, Stream(True)) and not _show_progress(None, Stream(False))
+    assert _show_progress(True, Stream(False)) and not _show_progress(False, Stream(True))
