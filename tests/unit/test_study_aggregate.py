@@ -344,10 +344,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(("grid", "name"), [("stress", "stability"), ("stress_b", "stability_b")])
 def test_committed_archive_regenerates_the_committed_tables(grid, name, tmp_path):
-    """docs/results/study/<grid>.tar.xz -> the committed stability json and tables, byte for byte."""
+    """docs/results/study/<grid>.tar.xz -> the committed stability json, tables and warning table, byte for byte."""
     res = tmp_path / "res"
     args = ["aggregate", "--grid", str(REPO_ROOT / "recipe/sorl/study" / f"{grid}.yaml"), "--from-archive"]
     assert cli.main([*args, "--results", str(res), "--name", name, "--no-plots"]) == 0
-    for suffix in (".json", "_table.md", "_runs.md"):
+    for suffix in (".json", "_table.md", "_runs.md", "_warnings.md"):
         committed = REPO_ROOT / "docs" / "results" / f"{name}{suffix}"
         assert (res / f"{name}{suffix}").read_bytes() == committed.read_bytes(), committed
