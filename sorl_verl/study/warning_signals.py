@@ -14,6 +14,10 @@ The rule, fixed before the learning study's runs:
   itself, so that a baseline of 0, such as a clip fraction on-policy, does not alarm on any rise).
 - **Scored.** An alarm warned of a drop when it came at or before the drop step (``lead = drop step
   - alarm step``); an alarm in a run that held is a false alarm.
+
+A run that never gained (the no-learning stress study's runs) drops only by collapsing, so its drop
+is its collapse onset. A signal that a run did not log leaves that run out of the signal's counts
+(its ``n`` in ``k / n``), so a small ``n`` means "seldom logged", not "seldom warns".
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def markdown(scores: Sequence[SignalScore], runs: Sequence[RunSignals] = ()) -> 
     for s in scores:
         d = s.as_dict()
         lead = "-" if d["median_lead_steps"] is None else f"{d['median_lead_steps']:g}"
-        lines.append(f"| {s.signal} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
+        name = s.signal.replace("|", "\\|")  # a bare | in ||C|| would split the cell
+        lines.append(f"| {name} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
     dropped = [f"{r.key} (step {r.drop})" for r in runs if r.drop is not None]
     if runs:
         lines += ["", f"Runs that dropped: {', '.join(dropped) if dropped else 'none'} of {len(runs)} judged."]

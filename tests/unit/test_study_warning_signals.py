@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -84,3 +86,14 @@ def test_run_signals_takes_the_collapse_onset_or_the_lost_gain_and_only_logged_s
     assert rs.key == "r/a/seed1" and rs.drop == 10 and set(rs.series) == {"ppo_kl"}
     assert run_signals({**run, "collapsed": True, "onset_step": 5}, trace).drop == 5
     assert run_signals({**run, "val_scores": [[0, 0.2], [5, 0.3], [10, 0.29]]}, trace).drop is None
+
+
+def test_table_rows_keep_four_cells_when_a_signal_name_has_bars():
+    flat = [(s, 1.0) for s in range(1, 11)]
+    runs = [RunSignals("a", drop=None, series={"||C||": flat, "||C(theta)||": flat, "ppo_kl": flat})]
+    rows = [line for line in markdown(score_signals(runs)).splitlines() if line.startswith("| ")]
+    assert len(rows) == 5  # header, separator and 3 signals
+    for row in rows:
+        cells = re.split(r"(?<!\\)\|", row)[1:-1]  # split on bars that are not escaped
+        assert len(cells) == 4, row
+    assert "| \\|\\|C\\|\\| | 0 / 0 | - | 0 / 1 |" in rows
