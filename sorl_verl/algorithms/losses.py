@@ -13,8 +13,8 @@ Per token (``m`` = response_mask, ``d = clamp(log_prob - old_log_prob, ±log_rat
     Z = max(1, q/tau) | 1 + q/tau | 1     (clip_norm_mode = max | add | none)
     apply=loss:   loss = agg_loss(L, m, loss_agg_mode, **global_batch_info) / Z      (Z a constant)
     apply=update: loss = agg_loss(...); 1/Z is published to the optimizer of this process, whose
-                  step is scaled by the mean of 1/Z over the step's micro-batches
-                  (:mod:`sorl_verl.algorithms.optim`)
+                  step is scaled by the mean of 1/Z over the step's micro-batches (the hand-off
+                  is :func:`sorl_verl.algorithms.optim.publish_normalizer`)
 
 Every mode logs ``sorl/clip_bias_grad_norm`` = ||C(theta)|| on the first micro-batch after each
 optimizer step (on every micro-batch where a gradient reference drives Z), whatever its reference.
@@ -35,7 +35,7 @@ from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla
 
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, GradientNorms, clip_bias_gradient_norms
 from sorl_verl.algorithms.knobs import GRADIENT_REFERENCES, SORLKnobs, read_knobs
-from sorl_verl.algorithms.optim import LEDGER
+from sorl_verl.algorithms.optim import publish_normalizer
 from sorl_verl.algorithms.parallel import data_parallel_group
 from sorl_verl.algorithms.surrogate import ClipRange, Surrogate, surrogate
 from sorl_verl.algorithms.turns import segment_runs
@@ -237,23 +237,8 @@ def sorl_policy_loss(
     metrics = dict(zip(stats, values, strict=True))
     if publish:
         z_, norm_, rel_ = (metrics[f"sorl/{name}"] for name in ("norm_factor", "clip_bias_norm", "clip_bias_rel"))
-        _publish_to_optimizer(z_, norm_, rel_, acts_on_update=active and at_update)
+        publish_normalizer(z_, norm_, rel_, acts_on_update=active and at_update)
     return pg_loss, metrics
-
-
-def _publish_to_optimizer(z: float, norm: float, rel: float, acts_on_update: bool) -> None:
-    """Hand this micro-batch's step share (``1/Z`` if the normalizer acts on the update, else 1)
-    and its normalizer statistics to the update-scaled optimizer of this process, if there is one."""
-    if LEDGER.consumers == 0:
-        if not acts_on_update:
-            return
-        raise RuntimeError(
-            "sorl_verl: actor_rollout_ref.actor.policy_loss.clip_norm_apply=update needs a step that reads the "
-            "normalizer in this process: the plugin's optimizer-step hooks (installed when verl loads the "
-            "sorl_verl plugin; else call sorl_verl.algorithms.optim.install_step_hooks()), or the SORL optimizer "
-            "(actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim), or use clip_norm_apply=loss"
-        )
-    LEDGER.record(1.0 / z if acts_on_update else 1.0, z, norm, rel)
 
 
 def _sorl_loss(loss_mode: str, turn_level: bool, normalize: bool, doc: str) -> Callable[..., tuple[torch.Tensor, dict]]:

@@ -20,9 +20,11 @@ Select it in verl with ``actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.
 by global rank 0, one record per step) and ``log_update_norm`` (L2 norm of the parameter change,
 costs one copy of the local parameters) are set there.
 
-The ledger is per process: records made between ``zero_grad`` (verl calls it before the
-micro-batches of a mini-batch, and instead of ``step`` when the gradient is not finite) and
-``step`` belong to that step.
+The hand-off is this module's: the loss calls :func:`publish_normalizer` once per micro-batch
+with gradients on, and the optimizers and step hooks below read what it recorded; the record
+(:data:`LEDGER`) is per process, and no other module touches it. Records made between
+``zero_grad`` (verl calls it before the micro-batches of a mini-batch, and instead of ``step``
+when the gradient is not finite) and ``step`` belong to that step.
 
 With verl's own optimizer (``optimizer_impl=torch.optim``, verl's stock ``ppo_trainer``): the
 plugin calls :func:`install_step_hooks`, torch's global optimizer-step pre/post hooks, which give
@@ -60,6 +62,7 @@ __all__ = [
     "UpdateLedger",
     "UpdateScaledOptimizer",
     "install_step_hooks",
+    "publish_normalizer",
     "update_scaled",
 ]
 
@@ -96,8 +99,29 @@ class UpdateLedger:
         self.take()
 
 
-#: the process-wide ledger shared by the SORL losses and the update-scaled optimizers
+#: the process-wide record of the hand-off: written by :func:`publish_normalizer`, read by the
+#: update-scaled optimizers and the step hooks
 LEDGER = UpdateLedger()
+
+
+def publish_normalizer(z: float, clip_bias_norm: float, clip_bias_rel: float, acts_on_update: bool) -> None:
+    """The SORL loss's hand-off to the step of this process, one call per micro-batch with gradients.
+
+    Records the step share ``1/Z`` when the normalizer acts on the update (``clip_norm_apply=update``),
+    else ``1``, with ``Z``, ``||C||`` and ``rho`` for the update log. Without a reader in this process
+    (no :class:`UpdateScaledOptimizer`, no :func:`install_step_hooks`) nothing is recorded, and a
+    normalizer that should act on the update raises ``RuntimeError`` naming the fixes.
+    """
+    if LEDGER.consumers == 0:
+        if not acts_on_update:
+            return
+        raise RuntimeError(
+            "sorl_verl: actor_rollout_ref.actor.policy_loss.clip_norm_apply=update needs a step that reads the "
+            "normalizer in this process: the plugin's optimizer-step hooks (installed when verl loads the "
+            "sorl_verl plugin; else call sorl_verl.algorithms.optim.install_step_hooks()), or the SORL optimizer "
+            "(actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim), or use clip_norm_apply=loss"
+        )
+    LEDGER.record(1.0 / z if acts_on_update else 1.0, z, clip_bias_norm, clip_bias_rel)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from sorl_verl.algorithms.knobs import SORLKnobs
+
 #: param-group key where the unscaled learning rate is kept when there is no scheduler
 BASE_LR_KEY = "sorl_guard_base_lr"
 
@@ -84,9 +86,12 @@ def _policy_loss_configs(worker: Any) -> list[Any]:
 
 
 def set_clip_norm_tau(worker: Any, tau: float) -> list[float]:
-    """``__ray_call__`` target: set the actor loss's ``clip_norm_tau`` (a frozen verl config field)."""
-    if tau <= 0:
-        raise ValueError(f"clip_norm_tau must be > 0, got {tau}")
+    """``__ray_call__`` target: set the actor loss's ``clip_norm_tau`` (a frozen verl config field).
+
+    ``tau`` is checked by the knobs' one validation (:class:`~sorl_verl.algorithms.knobs.SORLKnobs`)
+    before any config changes, so a bad value fails with the same error as at start-up.
+    """
+    tau = SORLKnobs(clip_norm_tau=tau).clip_norm_tau
     configs = _policy_loss_configs(worker)
     for policy_loss in configs:
         object.__setattr__(policy_loss, "clip_norm_tau", float(tau))

@@ -93,6 +93,10 @@ def test_worker_targets_find_the_actor_engine_and_the_loss_config():
     expected = [0.5 * g["lr"] for g in opt.param_groups]
     assert actor_lr_scale(worker, 0.5) == pytest.approx(expected)
     assert set_clip_norm_tau(worker, 0.05) == [0.05] and policy_loss.clip_norm_tau == 0.05
+    for bad in (0.0, -0.1, float("nan")):  # the knobs' own validation, before any config changes
+        with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.policy_loss\.clip_norm_tau=.* > 0"):
+            set_clip_norm_tau(worker, bad)
+        assert policy_loss.clip_norm_tau == 0.05
 
 
 def test_snapshot_survives_rotation_and_rewrite(tmp_path):
