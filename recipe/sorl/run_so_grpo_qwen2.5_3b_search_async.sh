@@ -7,7 +7,7 @@ set -euo pipefail
 : "${TASK:=search}"
 : "${MODEL_PATH:=Qwen/Qwen2.5-3B}"
 # off-policy by asynchrony: verl separate_async trainer on one 8-GPU node, 4 training + 4 rollout
-# GPUs (common.sh splits the node), weights pushed every NUM_MINI_BATCHES updates, trajectories up
+# GPUs (the planner splits the node), weights pushed every NUM_MINI_BATCHES updates, trajectories up
 # to STALENESS versions old
 : "${TRAINER_MODE:=separate_async}"
 : "${NUM_MINI_BATCHES:=4}"

@@ -5,8 +5,9 @@ Each command hands its arguments to a module's ``main(argv)`` (imported only whe
 runs, so ``sorl-verl doctor`` never imports matplotlib or the study); the module's own
 ``python -m`` form keeps working. ``sorl-verl <command> --help`` shows the command's options.
 The commands that belong to no other subpackage live here: ``eval`` (EM/F1 tables from verl
-validation metrics, generations, or a slow HF fallback), ``plot`` (training-health curves) and
-``demo`` (the CPU main job of a source checkout).
+validation metrics, generations, or a slow HF fallback), ``plot`` (training-health curves),
+``demo`` (the CPU main job of a source checkout) and ``recipe-plan`` (what ``recipe/sorl/common.sh``
+runs: the GPU recipe's checks, GPU plan, run directory and ``main_ppo`` command).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("eval", "sorl_verl.cli.eval:main", "EM/F1 tables (best and last step) from verl validation metrics"),
     Command("plot", "sorl_verl.cli.plot:main", "training-health curves of one or more runs"),
     Command("demo", "sorl_verl.cli.demo:main", "the CPU main job (scripts/demo.sh of a source checkout)"),
+    Command(
+        "recipe-plan",
+        "sorl_verl.cli.recipe_plan:main",
+        "recipe/sorl/run_*.sh's planner: checks, GPU plan, run dir and main_ppo command from the environment",
+    ),
     Command("study", "sorl_verl.study.cli:main", "the stability study: grid of runs, collapse rule, aggregation"),
 )
 BY_NAME = {command.name: command for command in COMMANDS}

@@ -26,6 +26,7 @@ EXPECTED = {
     "eval": "sorl_verl.cli.eval",
     "plot": "sorl_verl.cli.plot",
     "demo": "sorl_verl.cli.demo",
+    "recipe-plan": "sorl_verl.cli.recipe_plan",
     "study": "sorl_verl.study.cli",
 }
 

@@ -14,11 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sorl_verl.cli.recipe_plan import VARIABLES
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipe" / "sorl"
 SCRIPTS = sorted(p.name for p in RECIPE.glob("run_*.sh"))
 MAIN = "run_so_grpo_qwen2.5_3b_search.sh"
-RECIPE_VARS = set(re.findall(r"\$\{([A-Z_]+)(?::=|:-|:\+|-)", (RECIPE / "common.sh").read_text())) | {
+RECIPE_VARS = set(VARIABLES) | {
     "TENSORBOARD_DIR",
     "VERL_FILE_LOGGER_PATH",
     "DRY_RUN",
