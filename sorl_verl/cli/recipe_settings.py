@@ -11,6 +11,7 @@ returns the :class:`GpuPlan`: the trainer pool ``NNODES x GPUS_PER_NODE`` and, i
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,16 +123,17 @@ def _choice(s: Mapping[str, str], name: str, allowed: Sequence[str], message: st
         raise RecipeError(f"{name} must be {message}, got '{s[name]}'")
 
 
+#: decimal integers as the scripts always accepted them (no sign, no leading zero: bash reads 010 as octal)
+_KINDS = {1: (r"[1-9][0-9]*", "a positive integer"), 0: (r"0|[1-9][0-9]*", "a non-negative integer")}
+
+
 def _int(s: Mapping[str, str], name: str, minimum: int | None = 1) -> int:
-    """``s[name]`` as an integer of at least ``minimum`` (``None``: any sign), else RecipeError."""
-    value = s[name]
-    digits = value[1:] if minimum is None and value.startswith("-") else value
-    if not (digits.isascii() and digits.isdigit()) or (minimum is not None and int(value) < minimum):
-        kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
-            minimum, f"an integer >= {minimum}"
-        )
-        raise RecipeError(f"{name} must be {kind}, got '{value}'")
-    return int(value)
+    """``s[name]`` as a decimal integer: positive (``minimum=1``), non-negative (0) or of any sign
+    (``None``); else RecipeError naming ``name``."""
+    pattern, kind = _KINDS.get(minimum, (r"-?(0|[1-9][0-9]*)", "an integer"))
+    if not re.fullmatch(pattern, s[name]):
+        raise RecipeError(f"{name} must be {kind}, got '{s[name]}'")
+    return int(s[name])
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,7 @@ def validate(s: dict[str, str]) -> GpuPlan | None:
     batch, minis = _int(s, "TRAIN_BATCH_SIZE"), _int(s, "NUM_MINI_BATCHES")
     if batch % minis:
         raise RecipeError(f"TRAIN_BATCH_SIZE ({batch}) must be divisible by NUM_MINI_BATCHES ({minis})")
-    if s["STALENESS"] != "null" and not (s["STALENESS"].isascii() and s["STALENESS"].isdigit() and int(s["STALENESS"])):
+    if s["STALENESS"] != "null" and not re.fullmatch(_KINDS[1][0], s["STALENESS"]):
         raise RecipeError(
             f"STALENESS must be a positive integer (model versions) or null (no limit), got '{s['STALENESS']}'"
         )

@@ -81,6 +81,10 @@ def test_bad_integers_name_their_variable():
     for name in ("TRAIN_BATCH_SIZE", "NUM_MINI_BATCHES", "MAX_TURNS", "TEST_FREQ"):
         with pytest.raises(RecipeError, match=rf"^{name} must be"):
             planned("run_so_grpo_qwen2.5_3b_search.sh", {name: "many"})
+    for name, value in (("GPUS_PER_NODE", "08"), ("STALENESS", "04"), ("TEST_FREQ", "-0x1")):  # as bash refused them
+        with pytest.raises(RecipeError, match=rf"^{name} must be .*, got '{value}'"):
+            planned("run_so_grpo_qwen2.5_3b_search.sh", {name: value})
+    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1"})[0]
     with pytest.raises(RecipeError, match="^NUM_MINI_BATCHES must be a positive integer, got '0'"):
         planned("run_so_grpo_qwen2.5_3b_search.sh", {"NUM_MINI_BATCHES": "0"})  # bash: division by 0
     with pytest.raises(RecipeError, match="^MICRO_BATCH_SIZE must be a positive integer"):
