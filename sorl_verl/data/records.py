@@ -14,6 +14,28 @@ from sorl_verl.agent.prompts import mcq_prompt, qa_prompt
 AGENT_NAME = "search_r1"
 
 
+def _row(
+    data_source: str,
+    prompt: str,
+    ability: str,
+    ground_truth: dict[str, Any],
+    split: str,
+    index: int,
+    question: str,
+    extra: dict[str, Any] | None,
+    agent_name: str,
+) -> dict[str, Any]:
+    """The verl row both record kinds share: one user message, a rule reward on ``ground_truth``."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": prompt}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, "question": question.strip(), **(extra or {})},
+        "agent_name": agent_name,
+    }
+
+
 def qa_record(
     question: str,
     answers: list[str],
@@ -29,14 +51,9 @@ def qa_record(
     golds = [a for a in (str(x).strip() for x in answers) if a]
     if not golds:
         raise ValueError(f"{data_source}/{split}#{index}: no gold answer")
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": qa_prompt(question)}],
-        "ability": "fact-reasoning",
-        "reward_model": {"style": "rule", "ground_truth": {"target": golds}},
-        "extra_info": {"split": split, "index": index, "question": question.strip(), **(extra or {})},
-        "agent_name": agent_name,
-    }
+    ground_truth = {"target": golds}
+    prompt = qa_prompt(question)
+    return _row(data_source, prompt, "fact-reasoning", ground_truth, split, index, question, extra, agent_name)
 
 
 def mcq_record(
@@ -53,11 +70,6 @@ def mcq_record(
     letter = answer_letter.strip().upper()
     if letter not in options:
         raise ValueError(f"{data_source}/{split}#{index}: answer {letter!r} not among options {sorted(options)}")
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": mcq_prompt(question, options)}],
-        "ability": "medical-mcq",
-        "reward_model": {"style": "rule", "ground_truth": {"target": [letter], "options": dict(options)}},
-        "extra_info": {"split": split, "index": index, "question": question.strip(), **(extra or {})},
-        "agent_name": agent_name,
-    }
+    ground_truth = {"target": [letter], "options": dict(options)}
+    prompt = mcq_prompt(question, options)
+    return _row(data_source, prompt, "medical-mcq", ground_truth, split, index, question, extra, agent_name)

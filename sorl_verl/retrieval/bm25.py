@@ -243,17 +243,23 @@ class BM25Scorer:
         """Add ``weight * score`` of every posting of ``slices`` into the zeroed ``acc``, in order; their documents.
 
         Per document the result is the float32 left fold of the slices' contributions in the given
-        order (the first slice is assigned: ``0 + x == x``).
+        order (the first slice is assigned: ``0 + x == x``). On any exception (an interrupt included)
+        ``acc`` is zeroed again before it propagates: the next query needs it all zeros.
         """
         touched = []
-        for i, (start, end, w) in enumerate(slices):
-            docs = self.indices[start:end]
-            vals = self.data[start:end] if w == 1.0 else w * self.data[start:end]
-            if i == 0:
-                acc[docs] = vals
-            else:
-                acc[docs] += vals  # docs are unique within one posting list
-            touched.append(docs)
+        try:
+            for i, (start, end, w) in enumerate(slices):
+                docs = self.indices[start:end]
+                vals = self.data[start:end] if w == 1.0 else w * self.data[start:end]
+                if i == 0:
+                    acc[docs] = vals
+                else:
+                    acc[docs] += vals  # docs are unique within one posting list
+                touched.append(docs)
+        except BaseException:
+            for start, end, _ in slices:
+                acc[self.indices[start:end]] = 0.0
+            raise
         return touched
 
     @staticmethod
@@ -280,12 +286,7 @@ class BM25Scorer:
         self, slices: list[tuple[int, int, float]], k: int, acc: np.ndarray
     ) -> list[tuple[int, float]]:
         """Exhaustive top-k over every posting of the query terms (few postings: cheaper than pruning)."""
-        try:
-            touched = self._accumulate(slices, acc)
-        except BaseException:
-            for start, end, _ in slices:  # the scratch array must be all zeros for the next query
-                acc[self.indices[start:end]] = 0.0
-            raise
+        touched = self._accumulate(slices, acc)
         cand, scores = self._harvest(touched, acc, 0.0)
         return self._select(cand, scores, k)
 
@@ -398,12 +399,7 @@ class BM25Scorer:
             keep = np.flatnonzero(partial >= floor)
             cand, partial = docs[keep], partial[keep]
         elif essential:
-            try:
-                touched = self._accumulate(essential, acc)
-            except BaseException:
-                for start, end, _ in essential:  # the scratch array must be all zeros for the next query
-                    acc[self.indices[start:end]] = 0.0
-                raise
+            touched = self._accumulate(essential, acc)
             floor = theta - non_bound - 1e-5 * max(1.0, abs(theta))  # float32 slack: never drop a tie
             cand, partial = self._harvest(touched, acc, floor)
             if len(cand) > k:  # the candidates hold every partial score >= floor: their k-th best bounds theta
