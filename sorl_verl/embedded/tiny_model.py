@@ -10,6 +10,9 @@ transformers-loadable directory, for tests and smoke runs of the rollout engines
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,9 +84,25 @@ def save_model(model, tokenizer, out_dir: str | Path, max_new_tokens: int = 256)
         max_new_tokens=max_new_tokens,
         do_sample=False,
     )
-    model.save_pretrained(out)
+    with _library_bars_only_on_a_terminal():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@contextlib.contextmanager
+def _library_bars_only_on_a_terminal() -> Iterator[None]:
+    """transformers' own bars ("Writing model shards") only when stderr is a terminal; restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def write_random_model(out_dir: str | Path, *, seed: int = 0, initializer_range: float = 0.3, **spec: Any) -> Path:

@@ -25,3 +25,17 @@ def test_stamp_omits_the_tie_flag_only_while_it_is_the_default() -> None:
     assert spec.stamp() == {k: v for k, v in spec.as_dict().items() if k != "tie_word_embeddings"}
     untied = TinyModelSpec(tie_word_embeddings=False)
     assert untied.stamp() == untied.as_dict() and untied.stamp() != spec.stamp()
+
+
+def test_saving_off_a_terminal_draws_no_library_bar_and_leaves_the_setting_as_it_was(tmp_path, capfd) -> None:
+    """transformers' "Writing model shards" bar would put carriage returns into a redirected build log."""
+    from transformers.utils import logging as hf_logging
+
+    from sorl_verl.embedded.tiny_model import write_random_model
+
+    assert hf_logging.is_progress_bar_enabled()
+    out = write_random_model(tmp_path / "m")
+    assert (out / "config.json").is_file()
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "\r" not in err
+    assert hf_logging.is_progress_bar_enabled()  # restored for whatever runs next in the process
