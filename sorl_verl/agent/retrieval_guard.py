@@ -116,15 +116,7 @@ def preflight_from_config(config: Any) -> None:
         return
 
     async def check() -> None:
-        from sorl_verl.retrieval.client import RetrievalClient
-
-        client = RetrievalClient(
-            settings.retrieval_url,
-            topk=1,
-            timeout=settings.search_timeout,
-            max_retries=settings.search_retries,
-            backoff=settings.search_backoff,
-        )
+        client = settings.retrieval_client(topk=1)
         try:
             await RetrievalGuard(settings.retrieval_url, 1, 1.0).preflight(client)
         finally:

@@ -46,8 +46,6 @@ _CLIENTS: weakref.WeakKeyDictionary[Any, dict[tuple, Searcher]] = weakref.WeakKe
 def shared_client(settings: SearchAgentSettings, loop: Any) -> Searcher:
     """One RetrievalClient per (event loop, settings): verl builds an agent-loop object per
     trajectory, but the HTTP session and the concurrency cap must be shared by all of them."""
-    from sorl_verl.retrieval.client import RetrievalClient
-
     key = (
         settings.retrieval_url,
         settings.topk,
@@ -58,14 +56,7 @@ def shared_client(settings: SearchAgentSettings, loop: Any) -> Searcher:
     )
     per_loop = _CLIENTS.setdefault(loop, {})
     if key not in per_loop:
-        per_loop[key] = RetrievalClient(
-            settings.retrieval_url,
-            topk=settings.topk,
-            timeout=settings.search_timeout,
-            max_retries=settings.search_retries,
-            backoff=settings.search_backoff,
-            max_concurrency=settings.max_concurrency,
-        )
+        per_loop[key] = settings.retrieval_client()
     return per_loop[key]
 
 

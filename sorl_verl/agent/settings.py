@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sorl_verl.retrieval.client import RetrievalClient
+
 DEFAULT_RETRIEVAL_URL = "http://127.0.0.1:8000/retrieve"
 URL_ENV = "SORL_RETRIEVAL_URL"
 
@@ -94,6 +96,17 @@ class SearchAgentSettings:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"search_r1 agent: invalid value for {', '.join(bad)}: {self}")
+
+    def retrieval_client(self, topk: int | None = None) -> RetrievalClient:
+        """A client of ``retrieval_url`` with these search knobs (``topk`` overrides the setting)."""
+        return RetrievalClient(
+            self.retrieval_url,
+            topk=self.topk if topk is None else topk,
+            timeout=self.search_timeout,
+            max_retries=self.search_retries,
+            backoff=self.search_backoff,
+            max_concurrency=self.max_concurrency,
+        )
 
     @classmethod
     def resolve(cls, loop_kwargs: Mapping[str, Any], trainer_section: Mapping[str, Any] | None) -> SearchAgentSettings:

@@ -104,6 +104,12 @@ async def test_server_down_bounded_retries_then_observation() -> None:
     text = await c.search("q")
     assert text.startswith(SEARCH_FAILED_PREFIX) and "unavailable" in text
     assert c.attempts == 6
+    # the failure is a value (Observation.failed); the text the model sees is the contract the runs train on
+    observed = await c.observe("q")
+    assert observed.failed and observed.text == text
+    assert text == (
+        "Search failed (the search service is unavailable). Try the search again, or answer with what you already know."
+    )
     await c.aclose()
 
 
