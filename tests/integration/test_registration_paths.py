@@ -63,12 +63,24 @@ print("PROBE" + json.dumps({"errors": sorted(plugin.ERRORS),
 """
 
 
+LOSSES_FIRST_PROBE = """
+import json
+import sorl_verl.algorithms.losses  # before verl: the package imports verl, which loads the plugin
+import sorl_verl.plugin as plugin
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
+print("PROBE" + json.dumps({"errors": sorted(plugin.ERRORS),
+                            "policy_loss": get_policy_loss_fn("so_grpo").__qualname__,
+                            "adv_estimator": get_adv_estimator_fn("so_grpo").__qualname__}))
+"""
+
+
 @pytest.fixture(scope="module")
 def probes() -> dict[str, dict]:
     """Every probe in its own fresh interpreter, all started at once; label -> the probe's JSON."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
     runs = {"late_plugin": (LATE_PLUGIN_PROBE, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
             "cpu_platform_first": (CPU_PLATFORM_FIRST_PROBE, {"VERL_PLATFORM": "cpu"}),
+            "losses_first": (LOSSES_FIRST_PROBE, {}),
             **{label: (PROBE, extra) for label, extra in ENVS.items()}}  # fmt: skip
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     procs = {
@@ -84,7 +96,7 @@ def probes() -> dict[str, dict]:
     return results
 
 
-@pytest.mark.slow  # six fresh interpreters importing verl: ~20 s idle, minutes on a loaded machine
+@pytest.mark.slow  # seven fresh interpreters importing verl: ~20 s idle, minutes on a loaded machine
 @pytest.mark.parametrize("label", ["entry_point", "named_entry_point", "external_modules"])
 def test_every_loading_path_registers_losses_estimators_and_trainers(probes, label):
     got = probes[label]
@@ -187,6 +199,14 @@ def test_runtime_verl_range_matches_the_pyproject_pin():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_losses_imported_before_verl_are_still_registered(probes):
+    # without the package's verl-first import the plugin found the losses module half-defined
+    assert probes["losses_first"] == {
+        "errors": [], "policy_loss": "compute_policy_loss_so_grpo", "adv_estimator": "compute_so_grpo_outcome_advantage"
+    }  # fmt: skip
+
+
 def test_cpu_platform_imported_before_verl_still_registers_the_cpu_section(probes):
     """The plugin's CPU section once failed with a circular ImportError (and nothing of it was
     registered) whenever ``sorl_verl.cpu.platform`` was the first module to import verl."""
