@@ -131,7 +131,7 @@ VERL_FILE_LOGGER_PATH=$METRICS TQDM_DISABLE=1 python -m verl.trainer.main_ppo \
   trainer.save_freq="$STEPS" \
   "${ALGO_ARGS[@]}" "${EXTRA[@]}" >"$LOG" 2>&1 &
 TRAIN_PID=$!
-python scripts/demo_summary.py follow "$METRICS" --pid "$TRAIN_PID" --steps "$STEPS" --updates "$CKPT/sorl_updates.jsonl" || true
+python -m sorl_verl.cli.summary follow "$METRICS" --pid "$TRAIN_PID" --steps "$STEPS" --updates "$CKPT/sorl_updates.jsonl" || true
 set +e
 wait "$TRAIN_PID"
 RC=$?
@@ -159,7 +159,7 @@ fi
 cleanup
 trap - EXIT INT TERM
 if [ -s "$METRICS" ] || [ "$RC" -eq 0 ]; then
-  python scripts/demo_summary.py summary "$METRICS" --log "$LOG" --ckpt "$CKPT" --updates "$CKPT/sorl_updates.jsonl" \
+  python -m sorl_verl.cli.summary summary "$METRICS" --log "$LOG" --ckpt "$CKPT" --updates "$CKPT/sorl_updates.jsonl" \
     --out-dir "$RUN_DIR" --cli "$ROOT/.venv/bin/sorl-verl" || true
 fi
 echo "[demo] wall time $(( $(date +%s) - T0 )) s"

@@ -6,8 +6,10 @@ runs, so ``sorl-verl doctor`` never imports matplotlib or the study); the module
 ``python -m`` form keeps working. ``sorl-verl <command> --help`` shows the command's options.
 The commands that belong to no other subpackage live here: ``eval`` (EM/F1 tables from verl
 validation metrics, generations, or a slow HF fallback), ``plot`` (training-health curves),
-``demo`` (the CPU main job of a source checkout) and ``recipe-plan`` (what ``recipe/sorl/common.sh``
-runs: the GPU recipe's checks, GPU plan, run directory and ``main_ppo`` command).
+``demo`` (the CPU main job of a source checkout), ``build`` (the embedded QA default), ``summary``
+(a run's progress lines and start/end table from verl's metrics file) and ``recipe-plan`` (what
+``recipe/sorl/common.sh`` runs: the GPU recipe's checks, GPU plan, run directory and ``main_ppo``
+command).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ COMMANDS: tuple[Command, ...] = (
     Command("eval", "sorl_verl.cli.eval:main", "EM/F1 tables (best and last step) from verl validation metrics"),
     Command("plot", "sorl_verl.cli.plot:main", "training-health curves of one or more runs"),
     Command("demo", "sorl_verl.cli.demo:main", "the CPU main job (scripts/demo.sh of a source checkout)"),
+    Command(
+        "build",
+        "sorl_verl.cli.build:main",
+        "build (or reuse) the embedded QA default: world, index, warm-started model",
+    ),
+    Command(
+        "summary", "sorl_verl.cli.summary:main", "a run's progress lines (follow) or start/end table and plot (summary)"
+    ),
     Command(
         "recipe-plan",
         "sorl_verl.cli.recipe_plan:main",

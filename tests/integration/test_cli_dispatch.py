@@ -26,6 +26,8 @@ EXPECTED = {
     "eval": "sorl_verl.cli.eval",
     "plot": "sorl_verl.cli.plot",
     "demo": "sorl_verl.cli.demo",
+    "build": "sorl_verl.cli.build",
+    "summary": "sorl_verl.cli.summary",
     "recipe-plan": "sorl_verl.cli.recipe_plan",
     "study": "sorl_verl.study.cli",
 }

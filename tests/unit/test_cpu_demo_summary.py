@@ -1,22 +1,16 @@
-"""scripts/demo_summary.py: progress lines and the start/end table from a verl file-logger jsonl."""
+"""``sorl-verl summary`` (sorl_verl/cli/summary.py): progress lines and the start/end table from a verl
+file-logger jsonl."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_summary_module():
-    spec = importlib.util.spec_from_file_location("demo_summary", REPO / "scripts" / "demo_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from sorl_verl import cli
+from sorl_verl.cli import summary as mod
 
 
 def write_metrics(path: Path) -> None:
@@ -40,7 +34,6 @@ def write_metrics(path: Path) -> None:
 
 
 def test_summary_table_start_end_means(tmp_path, capsys):
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
     assert mod.summary(str(m), log="L", ckpt="C") == 0
@@ -56,14 +49,12 @@ def test_summary_table_start_end_means(tmp_path, capsys):
 
 
 def test_summary_without_steps_fails(tmp_path):
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     m.write_text("")
     assert mod.summary(str(m), None, None) == 1
 
 
 def test_follow_prints_each_step_and_returns_when_process_is_gone(tmp_path, capsys):
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
     pid = os.fork()
@@ -78,7 +69,6 @@ def test_follow_prints_each_step_and_returns_when_process_is_gone(tmp_path, caps
 
 
 def test_summary_states_the_validation_gain_and_update_norms(tmp_path, capsys):
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
     updates = tmp_path / "sorl_updates.jsonl"  # 2 optimizer steps per training step, norms 1..12
@@ -95,7 +85,6 @@ def test_summary_states_the_validation_gain_and_update_norms(tmp_path, capsys):
 
 
 def test_follow_shows_the_update_norm_of_each_step(tmp_path, capsys):
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
     updates = tmp_path / "sorl_updates.jsonl"
@@ -111,7 +100,6 @@ def test_follow_shows_the_update_norm_of_each_step(tmp_path, capsys):
 
 def test_start_is_the_first_step_with_a_non_zero_update(tmp_path):
     """Step 1 of a warm-up starting at lr 0 moves nothing: the start window begins at step 2."""
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
     updates = tmp_path / "sorl_updates.jsonl"
@@ -127,7 +115,6 @@ def test_start_is_the_first_step_with_a_non_zero_update(tmp_path):
 
 
 def test_one_row_per_split_and_the_files_kept_in_the_run_directory(tmp_path, capsys):
-    mod = load_summary_module()
     run = tmp_path / "so_grpo-qa-early-stop-50-20261126-120000"
     run.mkdir()
     m = run / "metrics.jsonl"
@@ -162,7 +149,6 @@ def test_one_row_per_split_and_the_files_kept_in_the_run_directory(tmp_path, cap
 def test_metrics_lines_go_through_the_project_reader(tmp_path):
     """Lines the project's reader (sorl_verl.study.metrics.records) skips are skipped here too, and only
     validation means (val-<kind>/<source>/<var>/mean@N) make validation entries and splits."""
-    mod = load_summary_module()
     m = tmp_path / "metrics.jsonl"
     assert mod.read_metrics(m) == [] and mod.read_update_log(tmp_path / "none.jsonl") == []
     lines = [
@@ -185,3 +171,24 @@ def test_metrics_lines_go_through_the_project_reader(tmp_path):
     assert (reward["start"], reward["end"]) == (0.5, 0.75)
     assert [s["split"] for s in data["validation"]["splits"]] == ["synthetic_1hop"]
     assert data["validation"]["gain"] == 0.25
+
+
+def test_sorl_verl_summary_dispatches_both_actions_with_their_options(tmp_path, capsys):
+    """``sorl-verl summary follow|summary`` reach the module's parser: follow's --pid/--steps, summary's
+    table (what :func:`render` makes of :func:`build_summary`), and exit 1 on a file without steps."""
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert cli.main(["summary", "follow", str(m), "--pid", str(pid), "--steps", "6"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if "step " in line and "validation" not in line]
+    assert [line.split("] ", 1)[1].split()[:2] for line in steps] == [["step", f"{s}/6"] for s in range(1, 7)]
+    assert cli.main(["summary", "summary", str(m), "--ckpt", "C"]) == 0
+    out = capsys.readouterr().out
+    assert mod.render(mod.build_summary(str(m))) in out and out.splitlines()[-1].split() == ["checkpoints:", "C"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"step": 0, "data": {"val-core/a/reward/mean@1": 0.5}}) + "\n")
+    assert cli.main(["summary", "summary", str(empty)]) == 1
+    assert "no training steps logged" in capsys.readouterr().err

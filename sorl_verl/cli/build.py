@@ -1,6 +1,8 @@
 """Build (or reuse) the embedded default: synthetic world, BM25 index, tokenizer, warm-started tiny model.
 
-Usage: ``python scripts/build_default.py [--root DIR] [--seed N] [--force] [--sft-steps N]``.
+``sorl-verl build [--root DIR] [--seed N] [--force] [--sft-steps N] [--threads N] [--quiet]`` (or
+``python -m sorl_verl.cli.build``): the QA default through
+:func:`sorl_verl.embedded.qa_build.ensure_embedded_default`, each step built only when missing.
 Prints the artefact paths, the build seconds of each step and the warm-start's greedy EM.
 """
 
@@ -16,7 +18,7 @@ from sorl_verl.embedded.qa_build import EmbeddedConfig, ensure_embedded_default
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="sorl-verl build", description=__doc__.split("\n")[0])
     p.add_argument("--root", help="output directory (default: $SORL_HOME/embedded)")
     p.add_argument("--seed", type=int, default=EmbeddedConfig.seed, help="world seed (a new seed = a fresh world)")
     p.add_argument("--force", action="store_true", help="rebuild every step")

@@ -1,4 +1,4 @@
-"""Progress lines and the end-of-run summary of scripts/demo.sh, read from verl's file logger.
+"""Progress lines and the end-of-run summary of a run (scripts/demo.sh's), read from verl's file logger.
 
 verl's ``trainer.logger=[..., file]`` writes one JSON line per logged step to
 ``$VERL_FILE_LOGGER_PATH``: ``{"step": N, "data": {metric: value, ...}}``. Validation metrics
@@ -11,8 +11,10 @@ The metrics file is read through the project's one reader, :mod:`sorl_verl.study
 ``update_norm``, see ``sorl_verl.algorithms.optim``) adds the parameter-update norm per training
 step: the records written since the previous training step belong to it.
 
-    python scripts/demo_summary.py follow METRICS.jsonl --pid PID [--steps N] [--updates U]  # a line per step
-    python scripts/demo_summary.py summary METRICS.jsonl [--log L] [--ckpt DIR] [--updates U] [--out-dir RUN]
+    sorl-verl summary follow METRICS.jsonl --pid PID [--steps N] [--updates U]  # a line per step
+    sorl-verl summary summary METRICS.jsonl [--log L] [--ckpt DIR] [--updates U] [--out-dir RUN]
+
+(or ``python -m sorl_verl.cli.summary ...``).
 
 The summary: training rows start at the first step with a non-zero update, validation has one row
 per split (start = the validation before training); with ``--out-dir`` it is kept as
@@ -366,17 +368,17 @@ def summary(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="sorl-verl summary", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("follow")
-    f.add_argument("metrics")
-    f.add_argument("--pid", type=int, required=True)
-    f.add_argument("--steps", type=int)
+    f = sub.add_parser("follow", help="print a line per training step (and per validation) until PID exits")
+    f.add_argument("metrics", help="verl's metrics file (VERL_FILE_LOGGER_PATH)")
+    f.add_argument("--pid", type=int, required=True, help="the training process to follow")
+    f.add_argument("--steps", type=int, help="total training steps (shown as step N/STEPS)")
     f.add_argument("--updates", help="the actor's update log (sorl_updates.jsonl)")
-    s = sub.add_parser("summary")
-    s.add_argument("metrics")
-    s.add_argument("--log")
-    s.add_argument("--ckpt")
+    s = sub.add_parser("summary", help="the start/end table; with --out-dir also summary.txt/json and curves.png")
+    s.add_argument("metrics", help="verl's metrics file (VERL_FILE_LOGGER_PATH)")
+    s.add_argument("--log", help="the run's full log (its path is printed with the table)")
+    s.add_argument("--ckpt", help="the run's checkpoint directory (its path is printed with the table)")
     s.add_argument("--updates", help="the actor's update log (sorl_updates.jsonl)")
     s.add_argument("--out-dir", help="keep summary.txt, summary.json and curves.png here (the run directory)")
     s.add_argument("--cli", default="sorl-verl", help="how to call sorl-verl in the printed next commands")
