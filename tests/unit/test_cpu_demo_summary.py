@@ -54,13 +54,19 @@ def test_summary_without_steps_fails(tmp_path):
     assert mod.summary(str(m), None, None) == 1
 
 
-def test_follow_prints_each_step_and_returns_when_process_is_gone(tmp_path, capsys):
-    m = tmp_path / "metrics.jsonl"
-    write_metrics(m)
+def _exited_pid() -> int:
+    """The pid of a child that has exited and been reaped: ``follow`` must see it gone."""
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
+    return pid
+
+
+def test_follow_prints_each_step_and_returns_when_process_is_gone(tmp_path, capsys):
+    m = tmp_path / "metrics.jsonl"
+    write_metrics(m)
+    pid = _exited_pid()
     mod.follow(str(m), pid, total=6, poll_s=0.01)
     out = capsys.readouterr().out.splitlines()
     steps = [line for line in out if "step " in line and "validation" not in line]
@@ -89,10 +95,7 @@ def test_follow_shows_the_update_norm_of_each_step(tmp_path, capsys):
     write_metrics(m)
     updates = tmp_path / "sorl_updates.jsonl"
     updates.write_text(json.dumps({"step": 1, "scale": 0.5, "update_norm": 0.25}) + "\n")
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
+    pid = _exited_pid()
     mod.follow(str(m), pid, total=6, updates=str(updates), poll_s=0.01)
     steps = [line for line in capsys.readouterr().out.splitlines() if "step " in line and "validation" not in line]
     assert "|dW|=0.25" in steps[0] and "|dW|" not in steps[1]
@@ -178,10 +181,7 @@ def test_sorl_verl_summary_dispatches_both_actions_with_their_options(tmp_path, 
     table (what :func:`render` makes of :func:`build_summary`), and exit 1 on a file without steps."""
     m = tmp_path / "metrics.jsonl"
     write_metrics(m)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
+    pid = _exited_pid()
     assert cli.main(["summary", "follow", str(m), "--pid", str(pid), "--steps", "6"]) == 0
     steps = [line for line in capsys.readouterr().out.splitlines() if "step " in line and "validation" not in line]
     assert [line.split("] ", 1)[1].split()[:2] for line in steps] == [["step", f"{s}/6"] for s in range(1, 7)]
