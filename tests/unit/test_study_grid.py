@@ -107,6 +107,57 @@ def test_smoke_grid_is_one_short_cell():
     assert (grid.steps, grid.test_freq, grid.val_max_samples) == (2, 2, 16)
 
 
+#: the collapse guard's settings of the learning study's guard algorithms, fixed before any run
+GUARD = {
+    "sorl.guard.enable": "true",
+    "sorl.guard.drop": "0.3",
+    "sorl.guard.patience": "1",
+    "sorl.guard.backoff": "0.5",
+    "sorl.guard.backoff_target": "lr",
+    "sorl.guard.max_restores": "3",
+    "sorl.guard.warning_metric": "null",
+}
+
+
+def test_learning_grid_guard_cells_are_the_algorithms_plus_the_guard():
+    from omegaconf import OmegaConf
+
+    from sorl_verl.trainer.guard import check_guard_against_trainer
+    from sorl_verl.trainer.guard_rule import guard_settings
+
+    grid = load_grid(STUDY / "learning.yaml")
+    cells = {c.key: c for c in grid.cells}
+    jump = "updates16_const_jump21"
+    for guarded, plain in (("grpo_guard", "grpo"), ("so_grpo_guard", "so_grpo")):
+        entry = {k: format_value(v) for k, v in grid.algorithms[guarded].overrides.items()}
+        assert entry == {**{k: format_value(v) for k, v in grid.algorithms[plain].overrides.items()}, **GUARD}
+        cell = cells[f"{jump}/{guarded}/seed1"]
+        # the cell: the regime's overrides (lr jump included) and the algorithm's, the guard's last
+        assert {k: cell.overrides[k] for k in GUARD} == GUARD
+        assert cell.overrides["sorl.fault_injection.from_step"] == "21"
+        # the guard's sections as hydra composes them: the recipe's defaults under the cell's overrides
+        recipe = yaml.safe_load((grid.config_dir / "sorl_trainer.yaml").read_text())["sorl"]
+        sorl_overrides = [f"{k}={v}" for k, v in cell.overrides.items() if k.startswith("sorl.")]
+        sorl = OmegaConf.to_container(
+            OmegaConf.merge({"sorl": {k: recipe[k] for k in ("guard", "fault_injection")}},
+                            OmegaConf.from_dotlist(sorl_overrides))
+        )["sorl"]  # fmt: skip
+        config, fault = guard_settings(sorl)
+        assert (config.enable, config.drop, config.patience, config.backoff) == (True, 0.3, 1, 0.5)
+        assert (config.backoff_target, config.max_restores, config.warning_metric) == ("lr", 3, None)
+        assert (fault.lr_factor, fault.from_step) == (2.0, 21)
+        trainer = OmegaConf.create({
+            "trainer": {"test_freq": int(cell.overrides["trainer.test_freq"])},
+            "actor_rollout_ref": {"actor": {"policy_loss": {
+                "loss_mode": cell.overrides["actor_rollout_ref.actor.policy_loss.loss_mode"]}}},
+        })  # fmt: skip
+        check_guard_against_trainer(trainer, config)
+        assert cell.overrides["trainer.test_freq"] == "10" and cell.overrides["trainer.save_freq"] == "-1"
+    # the new cells come last: the cells that ran before keep their order (the runner's progress tags)
+    assert [c.key for c in grid.cells[-2:]] == [f"{jump}/grpo_guard/seed1", f"{jump}/so_grpo_guard/seed1"]
+    assert sum(c.algorithm.endswith("_guard") for c in grid.cells) == 2
+
+
 def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
     (tmp_path / "config").mkdir(exist_ok=True)
     (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
