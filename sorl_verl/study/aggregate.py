@@ -6,7 +6,8 @@ A run record (``runs[i]`` of stability.json)::
     initial_val_score, final_val_score, peak_val_score, val_scores [[step, score], ...],
     final_val_by_source {source: score}, steps (last step logged), steps_planned, wall_s,
     exit_code, grid_changed (override keys edited in the grid since the run), lr, mean_norm_factor, mean_update_scale, mean_loss_scale, max_sorl_clipfrac
-    (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl, max_staleness (model versions), mean_rollout_probs_diff
+    (turns; tokens for s_ppo), max_pg_clipfrac, max_ppo_kl, max_staleness (model versions), mean_rollout_probs_diff,
+    and, only for a run that logged the collapse guard's metrics, guard_restores, guard_s (its restores and seconds)
 
 ``final_val_score`` is the validation score (mean over data sources) at the last validation;
 ``peak_val_score`` the maximum over all validations, step 0 included. ``lr_match`` gives, per
@@ -26,7 +27,7 @@ from typing import Any
 
 from sorl_verl.study.collapse import CRITERION, FRACTION, judge
 from sorl_verl.study.grid import DEFAULT_WARMSTART
-from sorl_verl.study.measures import measures
+from sorl_verl.study.measures import GUARD_RESTORES, GUARD_SECONDS, guard_measures, measures
 from sorl_verl.study.metrics import Trace, read_trace
 from sorl_verl.study.report import by_regime_algorithm, episodes_per_step, spread
 from sorl_verl.study.runner import METRICS, RECORD, read_record
@@ -79,12 +80,13 @@ def _config_dir(cell: dict[str, Any]) -> Path | None:
 
 def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
     """One run of stability.json from its ``cell.json`` and its metrics (NaN/inf as null), with the
-    learning measures of :mod:`sorl_verl.study.measures`."""
+    learning measures and the guard measures of :mod:`sorl_verl.study.measures`."""
     verdict = judge(trace.val_scores, trace.first_nonfinite(), cell.get("exit_code"), trace.last_step)
     vals = trace.val_scores
     finite = [s for _, s in vals if math.isfinite(s)]
     scales = update_scales(trace)
     learned = measures(vals, episodes_per_step(cell.get("overrides", {}), _config_dir(cell)))
+    guard = guard_measures(trace.series(GUARD_RESTORES), trace.series(GUARD_SECONDS))
     return finite_or_none(
         {
             **learned.as_dict(),
@@ -119,6 +121,7 @@ def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
             "mean_rollout_probs_diff": _mean(v for _, v in trace.series("training/rollout_probs_diff_mean")),
             "model_digest": cell.get("model_digest"),
             "cpu": cell.get("cpu"),
+            **(guard.as_dict() if guard.logged else {}),
         }
     )
 

@@ -1,8 +1,10 @@
 """A study grid's finished runs in one compressed file: what the repository keeps of a study.
 
 The archive is a tar file compressed with xz. It holds, for every finished cell (``done`` or
-``failed``), the run directory's ``cell.json`` and ``metrics.jsonl`` byte for byte, at
-``<regime>/<algorithm>/seed<k>/<file>`` -- the run directory layout, so
+``failed``), the run directory's ``cell.json`` and ``metrics.jsonl`` byte for byte, and the collapse
+guard's event log ``checkpoints/sorl_guard/events.jsonl`` where the run had the guard on (one JSON
+line per new best, restore and stop: at most ``steps / test_freq + max_restores + 1`` lines of a few
+hundred bytes), at ``<regime>/<algorithm>/seed<k>/<file>`` -- the run directory layout, so
 ``tar -xJf <archive> -C $SORL_HOME/study/<grid>`` restores the cells for ``study run`` to skip
 and ``study aggregate`` to read. Train logs, checkpoints and ``sorl_updates.jsonl`` stay in the
 run directory. Members are sorted by key, with mtime 0, owner 0 and mode 0644, so archiving the
@@ -23,12 +25,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from sorl_verl.study.metrics import Trace, parse_records
-from sorl_verl.study.runner import METRICS, RECORD, read_record
+from sorl_verl.study.runner import CHECKPOINTS, METRICS, RECORD, read_record
 
-#: the files of a run directory an archive keeps
-ARCHIVED = (RECORD, METRICS)
+#: the collapse guard's event log in a run directory (``sorl_verl.trainer.guard.GUARD_DIR`` under the
+#: cell's ``trainer.default_local_dir``)
+GUARD_EVENTS = f"{CHECKPOINTS}/sorl_guard/events.jsonl"
+#: the files of a run directory an archive keeps (each where it exists)
+ARCHIVED = (RECORD, METRICS, GUARD_EVENTS)
 FINISHED = ("done", "failed")
-_MEMBER = re.compile(rf"^(?P<key>[^/]+/[^/]+/seed\d+)/(?P<file>{re.escape(RECORD)}|{re.escape(METRICS)})$")
+_MEMBER = re.compile(rf"^(?P<key>[^/]+/[^/]+/seed\d+)/(?P<file>{'|'.join(re.escape(f) for f in ARCHIVED)})$")
 
 
 class ArchiveError(ValueError):

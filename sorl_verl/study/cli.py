@@ -15,9 +15,10 @@ under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.
 ``stability_table.md`` and the per-run ``stability_runs.md`` (names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``; with
 ``--from-archive`` it reads the runs from the grid's archive instead of the run directory.
-``archive`` writes every finished cell's ``cell.json`` and ``metrics.jsonl`` into one ``.tar.xz``
+``archive`` writes every finished cell's ``cell.json`` and ``metrics.jsonl`` (and a guarded run's
+``checkpoints/sorl_guard/events.jsonl``) into one ``.tar.xz``
 (``--archive``, default ``docs/results/study/<grid name>.tar.xz``): what the repository keeps of a
-study (train logs and per-update records stay in the run directory); ``tar -xJf`` of it into
+study (train logs, checkpoints and per-update records stay in the run directory); ``tar -xJf`` of it into
 ``--out`` restores the cells.
 A finished cell whose overrides the grid has changed since is ``changed``: ``run`` skips it
 (``--rerun-changed`` re-runs it), ``status`` names the keys, ``aggregate`` warns and records them.

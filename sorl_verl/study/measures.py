@@ -13,6 +13,12 @@ sources; non-finite scores skipped), with ``E`` training episodes per step:
   ``peak_gain >= MIN_GAIN`` and ``gain < LOST_FRACTION * peak_gain``. This is the failure the regime
   search looks for (weaker than the collapse rule of :mod:`sorl_verl.study.collapse`, which asks for
   the score to fall below half of its peak itself).
+
+With the collapse guard on (``sorl.guard.enable=true``, docs/guard.md), :func:`guard_measures` adds
+``guard_restores`` (the last logged ``sorl/guard/restores``: the restores of the run, a resume
+included) and ``guard_s`` (the sum of ``timing_s/sorl_guard`` over the steps: the guard's own
+checkpoints of new bests and its restores); both are None for a run that logged neither (guard off),
+and such a run's record carries neither key (:attr:`GuardMeasures.logged`).
 """
 
 from __future__ import annotations
@@ -80,3 +86,35 @@ def measures(val_scores: Sequence[tuple[int, float]], episodes_per_step: int | N
     # scores are means of fractions: a rise of exactly MIN_GAIN may come out a rounding error below it
     lost = peak_gain >= MIN_GAIN - 1e-9 and gain < LOST_FRACTION * peak_gain
     return Measures(gain, peak_gain, peak_step, auc_gain(pts), episodes, per_k, peak_per_k, lost)
+
+
+#: the guard's metrics as verl's file logger writes them (sorl_verl/trainer/guard_rule.py, guard.py)
+GUARD_RESTORES = "sorl/guard/restores"
+GUARD_SECONDS = "timing_s/sorl_guard"
+
+
+@dataclass(frozen=True)
+class GuardMeasures:
+    """What the collapse guard did in one run (None where the run logged no guard metric)."""
+
+    guard_restores: int | None
+    guard_s: float | None
+
+    @property
+    def logged(self) -> bool:
+        """True when the run logged a guard metric (the guard was on)."""
+        return self.guard_restores is not None or self.guard_s is not None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def guard_measures(restores: Sequence[tuple[int, float]], seconds: Sequence[tuple[int, float]]) -> GuardMeasures:
+    """From the ``(step, value)`` series of ``sorl/guard/restores`` and ``timing_s/sorl_guard``:
+    the restores at the last step that logged them and the sum of the finite guard seconds."""
+    finite_restores = [(s, v) for s, v in restores if math.isfinite(v)]
+    finite_seconds = [v for _, v in seconds if math.isfinite(v)]
+    return GuardMeasures(
+        int(max(finite_restores, key=lambda sv: sv[0])[1]) if finite_restores else None,
+        math.fsum(finite_seconds) if finite_seconds else None,
+    )

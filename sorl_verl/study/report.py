@@ -5,7 +5,10 @@ carries the :mod:`~sorl_verl.study.measures` of each run) and writes one row per
 algorithm: seeds, final and peak validation gain over step 0 (mean ± sd over seeds, sd with n - 1),
 collapsed k/n (:mod:`~sorl_verl.study.collapse`), gained-then-lost k/n
 (:data:`~sorl_verl.study.measures.LOST_GAIN_RULE`), mean gain over the run (area under the
-validation curve), gain per 1,000 training episodes, wall time per run.
+validation curve), gain per 1,000 training episodes, wall time per run. When at least one run of the
+table ran with the collapse guard (its ``guard_restores`` is not None), two more columns: restores
+per run (mean ± sd over the judged guarded runs of the row) and the guard's share of wall time,
+``sum(guard_s) / sum(wall_s)`` over the guarded runs of the row; ``-`` in rows without the guard.
 """
 
 from __future__ import annotations
@@ -59,12 +62,28 @@ def _gain(values: Sequence[float], digits: int = 3) -> str:
     return spread(values, digits, "+")
 
 
+def guarded(run: Mapping[str, Any]) -> bool:
+    """True for a run that logged the collapse guard's metrics."""
+    return run.get("guard_restores") is not None
+
+
+def guard_cells(rs: Sequence[Mapping[str, Any]], judged: Sequence[Mapping[str, Any]]) -> str:
+    """The guard columns of one row: restores per run (judged guarded runs) and guard share of wall time."""
+    restores = [float(r["guard_restores"]) for r in judged if guarded(r)]
+    timed = [r for r in rs if guarded(r) and r.get("guard_s") is not None and r.get("wall_s")]
+    wall = sum(r["wall_s"] for r in timed)
+    share = f"{100.0 * sum(r['guard_s'] for r in timed) / wall:.2f}%" if timed else "-"
+    return f" {spread(restores, 1)} | {share} |"
+
+
 def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: one row per regime x algorithm over the judged runs (unjudged ones counted apart)."""
+    """Markdown: one row per regime x algorithm over the judged runs (unjudged ones counted apart);
+    the guard columns only when some run had the guard on."""
+    guard = any(guarded(r) for r in runs)
     lines = [
         "| regime | algorithm | seeds | final gain | peak gain | collapsed | gained, then lost | mean gain (AUC) "
-        "| gain / 1k episodes | wall s / run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gain / 1k episodes | wall s / run |" + (" guard restores / run | guard time / wall |" if guard else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if guard else ""),
     ]
     for (regime, algorithm), rs in by_regime_algorithm(runs):
         judged = [r for r in rs if r.get("judged") and r.get("gain") is not None]
@@ -82,6 +101,6 @@ def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
             f"| {_gain(vals('gain'))} | {_gain(vals('peak_gain'))} "
             f"| {sum(bool(r['collapsed']) for r in judged)}/{len(judged)} "
             f"| {sum(bool(r.get('lost_gain')) for r in judged)}/{len(judged)} "
-            f"| {_gain(vals('auc_gain'))} | {_gain(per_k, 4)} | {wall} |"
+            f"| {_gain(vals('auc_gain'))} | {_gain(per_k, 4)} | {wall} |" + (guard_cells(rs, judged) if guard else "")
         )
     return "\n".join(lines) + "\n"

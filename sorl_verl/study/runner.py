@@ -48,8 +48,10 @@ DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
 RECORD = "cell.json"
 METRICS = "metrics.jsonl"
 LOG = "train.log"
+#: the cell's ``trainer.default_local_dir`` (verl's checkpoints, the collapse guard's ``sorl_guard/``)
+CHECKPOINTS = "checkpoints"
 #: what a restarted cell removes from its directory
-RUN_OUTPUTS = (METRICS, LOG, "checkpoints", "outputs")
+RUN_OUTPUTS = (METRICS, LOG, CHECKPOINTS, "outputs")
 LOG_TAIL_LINES = 30
 
 
@@ -117,7 +119,7 @@ def cell_command(grid: Grid, cell: Cell, inputs: Inputs, directory: Path) -> lis
         "actor_rollout_ref.model.path": str(inputs.model),
         "sorl.agent.retrieval_url": inputs.retrieval_url,
         "trainer.experiment_name": f"{grid.name}-{cell.regime}-{cell.algorithm}-seed{cell.seed}",
-        "trainer.default_local_dir": str(directory / "checkpoints"),
+        "trainer.default_local_dir": str(directory / CHECKPOINTS),
     }
     overrides = {**base, **cell.overrides}
     return [

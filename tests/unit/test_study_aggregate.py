@@ -12,7 +12,7 @@ import pytest
 
 from sorl_verl.study import cli
 from sorl_verl.study.aggregate import collect, lr_match, markdown_table, runs_table, stability, write_stability
-from sorl_verl.study.archive import ArchiveError, read_archive, write_archive
+from sorl_verl.study.archive import GUARD_EVENTS, ArchiveError, read_archive, write_archive
 from sorl_verl.study.collapse import CRITERION
 from sorl_verl.study.grid import load_grid
 from sorl_verl.study.runner import write_record
@@ -337,6 +337,48 @@ def test_bad_archives_are_named(study, tmp_path, capsys):
         read_archive(foreign)
     assert cli.main(["archive", "--grid", str(grid), "--out", str(tmp_path / "empty"), "--archive", str(bad)]) == 1
     assert "no finished run" in capsys.readouterr().err
+
+
+def guard_train(step: int, restores: int, seconds: float) -> dict:
+    """A training step of a guarded run: the guard's metrics as verl's file logger writes them."""
+    return train(step, 0.5, **{"sorl/guard/restores": float(restores), "timing_s/sorl_guard": seconds})
+
+
+def test_a_guarded_run_records_restores_and_guard_seconds_and_archives_its_events(study, tmp_path):
+    steps = [guard_train(1, 0, 0.0625), guard_train(2, 0, 0.25), guard_train(3, 0, 0.0625), guard_train(4, 1, 0.5)]
+    d = make_cell(study, "hot", "grpo_guard", 1, scores(0.6, 0.7, 0.2) + steps)
+    events = b'{"step": 2, "event": "new_best", "seconds": 0.25}\n{"step": 4, "event": "restore", "seconds": 0.5}\n'
+    (d / "checkpoints" / "sorl_guard" / "best_step_2" / "actor").mkdir(parents=True)
+    (d / "checkpoints" / "sorl_guard" / "best_step_2" / "actor" / "model.pt").write_bytes(b"weights")
+    (d / "checkpoints" / "global_step_2").mkdir()
+    (d / "checkpoints" / "global_step_2" / "data.pt").write_bytes(b"position")
+    (d / GUARD_EVENTS).write_bytes(events)
+    runs = {(r["algorithm"], r["seed"]): r for r in stability(collect(study), "t", "cmd")["runs"]}
+    guarded = runs[("grpo_guard", 1)]
+    assert (guarded["guard_restores"], guarded["guard_s"]) == (1, 0.875)
+    # a run without the guard carries neither key (the committed stability json stays as it was)
+    assert "guard_restores" not in runs[("grpo", 1)] and "guard_s" not in runs[("grpo", 1)]
+    archive = tmp_path / "g.tar.xz"
+    write_archive(study, archive)
+    with tarfile.open(archive, "r:xz") as tar:
+        names = tar.getnames()
+        assert tar.extractfile("hot/grpo_guard/seed1/" + GUARD_EVENTS).read() == events
+    # cell.json, metrics.jsonl and the event log; never a checkpoint file
+    assert [n for n in names if n.startswith("hot/grpo_guard/")] == [
+        "hot/grpo_guard/seed1/cell.json",
+        "hot/grpo_guard/seed1/metrics.jsonl",
+        "hot/grpo_guard/seed1/" + GUARD_EVENTS,
+    ]
+    assert sum(n.endswith(GUARD_EVENTS) for n in names) == 1
+    from_archive = {r["key"]: t for r, t in read_archive(archive)}
+    assert from_archive["hot/grpo_guard/seed1"].series("sorl/guard/restores")[-1] == (4, 1.0)
+
+
+def test_the_guard_event_log_is_where_the_guard_writes_it_in_a_run_directory():
+    from sorl_verl.study.runner import CHECKPOINTS, RUN_OUTPUTS
+    from sorl_verl.trainer.guard import GUARD_DIR
+
+    assert f"{CHECKPOINTS}/{GUARD_DIR}/events.jsonl" == GUARD_EVENTS and CHECKPOINTS in RUN_OUTPUTS
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN, auc_gain, measures
+from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN, auc_gain, guard_measures, measures
 
 
 def test_a_run_that_learns_and_keeps_it():
@@ -60,3 +60,26 @@ def test_properties(vals):
     shifted = measures([(s, v + 0.5) for s, v in pts], 32)
     assert math.isclose(shifted.auc_gain, m.auc_gain, abs_tol=1e-9)
     assert auc_gain(pts[:1]) is None
+
+
+def test_guard_measures_of_a_run_with_restores():
+    # restores logged at every step, the step order of the series not assumed
+    restores = [(3, 1.0), (1, 0.0), (2, 0.0), (5, 2.0), (4, 1.0)]
+    seconds = [(1, 0.5), (2, 0.25), (3, float("nan")), (4, 1.5), (5, 0.125)]
+    g = guard_measures(restores, seconds)
+    assert (g.guard_restores, g.guard_s, g.logged) == (2, 2.375, True)
+    assert g.as_dict() == {"guard_restores": 2, "guard_s": 2.375}
+
+
+def test_guard_measures_of_a_run_without_the_guard():
+    g = guard_measures([], [])
+    assert (g.guard_restores, g.guard_s, g.logged) == (None, None, False)
+
+
+@given(st.lists(st.integers(0, 1), min_size=1, max_size=50), st.lists(st.floats(0, 100), min_size=1, max_size=50))
+def test_guard_measures_properties(increments, seconds):
+    # restores never decrease: the count at the last step is the number of restores of the run
+    counts = [sum(increments[: i + 1]) for i in range(len(increments))]
+    g = guard_measures(list(enumerate(map(float, counts), 1)), list(enumerate(seconds, 1)))
+    assert g.guard_restores == sum(increments)
+    assert g.guard_s == math.fsum(seconds) and g.guard_s >= max(seconds)
