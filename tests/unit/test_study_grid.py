@@ -153,9 +153,11 @@ def test_learning_grid_guard_cells_are_the_algorithms_plus_the_guard():
         })  # fmt: skip
         check_guard_against_trainer(trainer, config)
         assert cell.overrides["trainer.test_freq"] == "10" and cell.overrides["trainer.save_freq"] == "-1"
-    # the new cells come last: the cells that ran before keep their order (the runner's progress tags)
-    assert [c.key for c in grid.cells[-2:]] == [f"{jump}/grpo_guard/seed1", f"{jump}/so_grpo_guard/seed1"]
-    assert sum(c.algorithm.endswith("_guard") for c in grid.cells) == 2
+    # every guarded cell has its unguarded twin (same regime and seed) in the grid: the evidence is paired
+    guarded = [c for c in grid.cells if c.algorithm.endswith("_guard")]
+    assert guarded and {c.regime for c in guarded} == {jump}
+    for c in guarded:
+        assert c.key.replace(f"/{c.algorithm}/", f"/{c.algorithm.removesuffix('_guard')}/") in cells
 
 
 def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
