@@ -226,12 +226,17 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     data = stability(
         found, grid.name, command, pending=[c.key for c in cells if c.key not in finished], changed=changed
     )
+    try:
+        warnings_md = _warnings(found, data["runs"], fall_rule=grid.warning_fall_rule)
+    except ValueError as exc:  # a run whose record lacks what the fall rule needs; nothing written yet
+        print(str(exc), file=sys.stderr)
+        return 2
     path = write_stability(data, results / f"{a.name}.json")
     table = markdown_table(data["runs"])
     (results / f"{a.name}_table.md").write_text(table)
     (results / f"{a.name}_runs.md").write_text(runs_table(data["runs"]))
     (results / f"{a.name}_headline.md").write_text(headline_table(data["runs"]))
-    (results / f"{a.name}_warnings.md").write_text(_warnings(found, data["runs"]))
+    (results / f"{a.name}_warnings.md").write_text(warnings_md)
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:
@@ -249,13 +254,29 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     return 0
 
 
-def _warnings(found: list, runs: list[dict]) -> str:
-    """The warning-signal table over the judged runs (:mod:`sorl_verl.study.warning_signals`)."""
-    from sorl_verl.study.warning_signals import RULE, markdown, run_signals, score_signals
+def _warnings(found: list, runs: list[dict], fall_rule: bool = False) -> str:
+    """The warning-signal table over the judged runs (:mod:`sorl_verl.study.warning_signals`) and,
+    with ``fall_rule``, below it the second analysis's table (fall below the best)."""
+    from functools import partial
 
-    traces = {(rec["regime"], rec["algorithm"], rec["seed"]): trace for rec, trace in found}
-    signals = [run_signals(r, traces[(r["regime"], r["algorithm"], r["seed"])]) for r in runs if r["judged"]]
-    return f"{RULE}\n\n{markdown(score_signals(signals), signals)}"
+    from sorl_verl.study.warning_signals import (
+        FALL_RULE,
+        RULE,
+        fall_step,
+        markdown,
+        run_signals,
+        score_signals,
+        validation_size,
+    )
+
+    cells = {(rec["regime"], rec["algorithm"], rec["seed"]): (rec, trace) for rec, trace in found}
+    judged = [(r, *cells[(r["regime"], r["algorithm"], r["seed"])]) for r in runs if r["judged"]]
+    signals = [run_signals(r, trace) for r, _, trace in judged]
+    text = f"{RULE}\n\n{markdown(score_signals(signals), signals)}"
+    if not fall_rule:
+        return text
+    fell = [run_signals(r, trace, partial(fall_step, n=validation_size(rec))) for r, rec, trace in judged]
+    return f"{text}\n{FALL_RULE}\n\n{markdown(score_signals(fell), fell, rule='fall')}"
 
 
 def _archive_path(a: argparse.Namespace, grid: Grid, root: Path | None) -> Path | None:

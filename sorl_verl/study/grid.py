@@ -11,6 +11,8 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     steps: 20                     # trainer.total_training_steps of every cell
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
     val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch)
+    warning_fall_rule: false      # aggregate's warning table also by the fall-below-the-best rule
+                                  # (sorl_verl/study/warning_signals.py; no effect on the runs)
     seed_keys: [data.seed, ...]   # every key set to the cell's seed
     common: {key: value}          # overrides of every cell
     regimes:
@@ -71,6 +73,7 @@ GRID_KEYS = {
     "steps",
     "test_freq",
     "val_max_samples",
+    "warning_fall_rule",
     "seed_keys",
     "common",
     "algorithms",
@@ -141,6 +144,7 @@ class Grid:
     algorithms: Mapping[str, Entry]
     regimes: Mapping[str, Entry]
     cells: tuple[Cell, ...]
+    warning_fall_rule: bool = False
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -417,6 +421,9 @@ def load_grid(path: str | Path) -> Grid:
     steps = _positive_int(loc, ["steps"], data.get("steps"))
     test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
+    warning_fall_rule = data.get("warning_fall_rule", False)
+    if not isinstance(warning_fall_rule, bool):
+        raise loc.error(["warning_fall_rule"], f"must be true or false, got {warning_fall_rule!r}")
     config_dir = (path.parent / str(data.get("config_dir", "../config"))).resolve()
     if not (config_dir / "sorl_trainer.yaml").is_file():
         raise loc.error(["config_dir"], f"{config_dir} has no sorl_trainer.yaml")
@@ -455,6 +462,7 @@ def load_grid(path: str | Path) -> Grid:
         algorithms=algorithms,
         regimes=regimes,
         cells=tuple(cells),
+        warning_fall_rule=warning_fall_rule,
     )
 
 

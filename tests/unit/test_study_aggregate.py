@@ -393,3 +393,32 @@ def test_committed_archive_regenerates_the_committed_tables(grid, name, tmp_path
     for suffix in (".json", "_table.md", "_runs.md", "_warnings.md"):
         committed = REPO_ROOT / "docs" / "results" / f"{name}{suffix}"
         assert (res / f"{name}{suffix}").read_bytes() == committed.read_bytes(), committed
+
+
+def test_the_fall_rule_table_goes_below_the_fixed_one_and_needs_the_validation_size(study, tmp_path, capsys):
+    from sorl_verl.study.warning_signals import FALL_RULE
+
+    grid = grid_file(tmp_path)
+    text = grid.read_text()
+    fall_grid = grid.with_name("fall.yaml")
+    fall_grid.write_text(text.replace("name: g\n", "name: g\nwarning_fall_rule: true\n"))
+    plain, fall = tmp_path / "plain", tmp_path / "fall"
+    for path, res in ((grid, plain), (fall_grid, fall)):
+        args = ["aggregate", "--grid", str(path), "--out", str(study), "--results", str(res), "--no-plots"]
+        assert cli.main(args) == 0
+    fixed, both = (plain / "stability_warnings.md").read_text(), (fall / "stability_warnings.md").read_text()
+    added = both.removeprefix(fixed)
+    assert added != both and added.startswith(f"\n{FALL_RULE}\n\n| signal | warned / runs that fell")
+    # grpo seed 1: 0.6 -> 0.3 at step 2 is 0.3 > 2 sqrt((0.24 + 0.21) / 96) = 0.137 (it also collapses, later);
+    # so_grpo's 0.6 -> 0.5 is 0.1 < 2 sqrt((0.24 + 0.25) / 96) = 0.143
+    assert both.endswith("Runs that fell: hot/grpo/seed1 (step 2) of 4 judged.\n")
+    # a run whose record does not say how many questions it validated on: a clear error, nothing written
+    cell = study / "hot" / "grpo" / "seed2" / "cell.json"
+    rec = json.loads(cell.read_text())
+    del rec["overrides"]["data.val_max_samples"]
+    cell.write_text(json.dumps(rec))
+    empty = tmp_path / "empty"
+    capsys.readouterr()
+    assert cli.main(["aggregate", "--grid", str(fall_grid), "--out", str(study), "--results", str(empty)]) == 2
+    assert "hot/grpo/seed2: its record has no data.val_max_samples" in capsys.readouterr().err
+    assert not empty.exists() or not any(empty.iterdir())

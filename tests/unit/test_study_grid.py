@@ -242,6 +242,7 @@ def test_include_library_merged_key_by_key(tmp_path):
         (("x.y: 2,", "x y: 2,"), 9, "not a hydra override key"),
         (("hot: {x.y: 3}", "cold: {x.y: 3}"), 8, "unknown regime 'cold'"),
         (("steps: 4", "steps: 0"), 2, "integer >= 1"),
+        (("steps: 4", "steps: 4\nwarning_fall_rule: sometimes"), 3, "must be true or false"),
         (("x.y: 1,", "x.y: {p: 1},"), 8, "a mapping is not an override value"),
         (
             ("  - {regimes: [hot], algorithms: [a, b], seeds: [7]}\n", "  - {regimes: [hot], algorithms: [a, b]}\n"),
@@ -291,3 +292,12 @@ def test_matches_and_select(tmp_path):
 )
 def test_format_value(value, text):
     assert format_value(value) == text
+
+
+def test_only_the_learning_grid_adds_the_fall_rule_to_its_warning_table(tmp_path):
+    assert load_grid(STUDY / "learning.yaml").warning_fall_rule is True
+    for name in ("stress", "stress_b", "smoke", "boundary"):  # their committed tables stay as they are
+        assert load_grid(STUDY / f"{name}.yaml").warning_fall_rule is False
+    on = textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nwarning_fall_rule: true")
+    grid, plain = load_grid(write(tmp_path, on, "on.yaml")), load_grid(write(tmp_path, BASE))
+    assert grid.warning_fall_rule and grid.cells == plain.cells  # no effect on what the cells run
