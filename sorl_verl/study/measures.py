@@ -88,7 +88,8 @@ def measures(val_scores: Sequence[tuple[int, float]], episodes_per_step: int | N
     return Measures(gain, peak_gain, peak_step, auc_gain(pts), episodes, per_k, peak_per_k, lost)
 
 
-#: the guard's metrics as verl's file logger writes them (sorl_verl/trainer/guard_rule.py, guard.py)
+#: the guard's metrics as verl's file logger writes them: copies of sorl_verl.trainer.guard_rule's
+#: RESTORES_METRIC and SECONDS_METRIC, so that the study does not import torch (tied by a unit test)
 GUARD_RESTORES = "sorl/guard/restores"
 GUARD_SECONDS = "timing_s/sorl_guard"
 

@@ -43,6 +43,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from sorl_verl.trainer.guard_rule import (
+    SECONDS_METRIC,
     Action,
     Decision,
     FaultInjection,
@@ -247,7 +248,7 @@ class CollapseGuard:
         if self.guard_active:
             start = time.perf_counter()
             metrics.update(self._guard_observe(metrics, int(global_steps)))
-            metrics["timing_s/sorl_guard"] = time.perf_counter() - start
+            metrics[SECONDS_METRIC] = time.perf_counter() - start
 
     # ------------------------------------------------------------------ the rule applied
 

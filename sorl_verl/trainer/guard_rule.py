@@ -171,6 +171,9 @@ class Action(str, Enum):
 
 #: numeric code of the reason of a collapse, logged as sorl/guard/reason
 REASON_CODES = {"": 0, "validation": 1, "warning": 2}
+#: the step metrics the study reads (sorl_verl/study/measures.py keeps torch-free copies, tied by a test)
+RESTORES_METRIC = "sorl/guard/restores"
+SECONDS_METRIC = "timing_s/sorl_guard"
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def observe_step(config: GuardConfig, state: GuardState, step: int, value: float
 def guard_metrics(config: GuardConfig, state: GuardState, collapsed: bool, reason_kind: str = "") -> dict[str, float]:
     """The ``sorl/guard/*`` metrics of a step (docs/guard.md)."""
     metrics = {
-        "sorl/guard/restores": float(state.restores),
+        RESTORES_METRIC: float(state.restores),
         "sorl/guard/lr_scale": float(state.lr_scale),
         "sorl/guard/low_validations": float(state.low_validations),
         "sorl/guard/collapse": 1.0 if collapsed else 0.0,

@@ -83,3 +83,11 @@ def test_guard_measures_properties(increments, seconds):
     g = guard_measures(list(enumerate(map(float, counts), 1)), list(enumerate(seconds, 1)))
     assert g.guard_restores == sum(increments)
     assert g.guard_s == math.fsum(seconds) and g.guard_s >= max(seconds)
+
+
+def test_the_guard_metric_names_are_the_ones_the_guard_logs():
+    from sorl_verl.study.measures import GUARD_RESTORES, GUARD_SECONDS
+    from sorl_verl.trainer.guard_rule import RESTORES_METRIC, SECONDS_METRIC, GuardConfig, GuardState, guard_metrics
+
+    assert (GUARD_RESTORES, GUARD_SECONDS) == (RESTORES_METRIC, SECONDS_METRIC)
+    assert guard_metrics(GuardConfig(enable=True), GuardState(restores=2), False)[GUARD_RESTORES] == 2.0
