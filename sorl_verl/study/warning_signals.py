@@ -124,12 +124,12 @@ def fall_step(
     if bad:
         raise ValueError(f"validation scores must lie in [0, 1] for the binomial error, got {bad[0]}")
     fell = None
-    for j in range(1, len(finite)):
-        best = max(v for _, v in finite[:j])
-        step, v = finite[j]
+    best = finite[0][1] if finite else 0.0
+    for step, v in finite[1:]:
         if best - v > k * math.sqrt(best * (1 - best) / n + v * (1 - v) / n):
             fell = step
             break
+        best = max(best, v)
     found = [s for s in (collapse_onset, fell) if s is not None]
     return min(found) if found else None
 
