@@ -14,6 +14,12 @@ step by step, medians of wall time:
 Prints each median and its ratio to ``base``. A ratio, not a timed test: run it niced and short::
 
     nice -n 19 .venv/bin/python scripts/bench/clip_bias_grad_cost.py --reps 7
+
+On a GPU (``--device cuda``) the model is bfloat16 (as in ``loss_in_step.py``; the log-probs and the loss stay
+float32) and every timed step is bracketed by ``torch.cuda.synchronize()``; the device command is
+``scripts/bench/gpu_costs_device.sh``::
+
+    python3 scripts/bench/clip_bias_grad_cost.py --device cuda --model 1.5b --rows 4 --length 4096 --reps 5
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from verl.workers.config import ActorConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss_in_step import build_model, response_log_prob  # noqa: E402
+from loss_in_step import MODELS, build_model, response_log_prob, sync  # noqa: E402
 from loss_overhead import multi_turn_mask  # noqa: E402
 
 from sorl_verl.algorithms import optim  # noqa: E402
@@ -53,7 +59,8 @@ def actor_config(reference: str) -> ActorConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu", help="cpu (float32 model) | cuda (bfloat16 model)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--spread", type=float, default=0.5, help="std of log_prob - old_log_prob")
@@ -61,15 +68,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build_model(args.model, "cpu", torch.float32)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = build_model(args.model, device, dtype)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (args.rows, args.length))
-    mask = multi_turn_mask(args.rows, args.length, 2, 4, seed=0)
+    ids = torch.randint(0, vocab, (args.rows, args.length)).to(device)
+    mask = multi_turn_mask(args.rows, args.length, 2, 4, seed=0).to(device)
     with torch.no_grad():
-        old = response_log_prob(model, ids) + args.spread * torch.randn(args.rows, args.length)
-    adv = torch.randn(args.rows, 1).expand(-1, args.length).contiguous()
+        old = response_log_prob(model, ids) + args.spread * torch.randn(args.rows, args.length).to(device)
+    adv = torch.randn(args.rows, 1).expand(-1, args.length).contiguous().to(device)
     optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # a consumer of the loss's ledger, as in verl's worker
     configs = {name: actor_config(reference) for name, (reference, _) in CONTENDERS.items()}
     times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
@@ -79,10 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
         for name, (_, diagnostic) in CONTENDERS.items():
             DIAGNOSTIC.due = diagnostic
             model.zero_grad(set_to_none=True)
+            sync(device)
             start = time.perf_counter()
             loss, metrics = compute_policy_loss_so_grpo(old, response_log_prob(model, ids), adv, mask, "token-mean",
                                                         configs[name])  # fmt: skip
             loss.backward()
+            sync(device)
             elapsed = time.perf_counter() - start
             optim.LEDGER.clear()
             if rep > 0:
@@ -92,6 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     medians = {name: statistics.median(t) for name, t in times.items()}
     result = {
         "args": vars(args),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if device.startswith("cuda") else None,
         "turn_clipfrac_mean": statistics.fmean(clipfrac),
         "clip_bias_grad_norm": logged,
         "median_s": medians,
