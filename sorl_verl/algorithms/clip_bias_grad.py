@@ -55,13 +55,16 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
     if output.grad_fn is None:
         return [output] if output.requires_grad else []
     leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    # id -> node, holding every node visited: torch may hand out a fresh Python wrapper for a node on
+    # each access and free it when dropped, and a freed wrapper's id is reused by the next one, so a
+    # set of bare ids skips unvisited nodes (torch 2.11 lost every parameter of a Qwen2 that way)
+    seen: dict[int, Any] = {}
     stack = [output.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None and type(node).__name__ == "AccumulateGrad":
             leaves.setdefault(id(variable), variable)

@@ -290,6 +290,53 @@ def test_graph_leaves_are_the_parameters_the_forward_used():
     assert {id(p) for p in leaves} == {id(p) for p in model.parameters()}
 
 
+class _Inner:
+    """An autograd node as some torch versions (2.11) expose it: every access of ``next_functions``
+    builds fresh Python wrappers, freed when dropped, so their ids are reused by later wrappers."""
+
+    def __init__(self, children: list) -> None:
+        self._children = children
+
+    @property
+    def next_functions(self) -> tuple:
+        return tuple((_node(child), 0) for child in self._children)
+
+
+#: the leaf node, matched by graph_leaves through its type's name as torch's
+_AccumulateGrad = type(
+    "AccumulateGrad", (), {"next_functions": (), "__init__": lambda self, v: setattr(self, "variable", v)}
+)
+
+
+def _node(spec):
+    return _AccumulateGrad(spec) if isinstance(spec, torch.Tensor) else _Inner(spec)
+
+
+class _TransientOutput:
+    """Duck-typed output tensor (graph_leaves reads ``grad_fn`` and ``requires_grad``) whose graph is transient."""
+
+    requires_grad = True
+
+    def __init__(self, spec: list) -> None:
+        self._spec = spec
+
+    @property
+    def grad_fn(self):
+        return _node(self._spec)
+
+
+@pytest.mark.parametrize("depth", [1, 5, 60])
+def test_graph_leaves_survives_transient_node_wrappers(depth):
+    """Every leaf of a chain of ``depth`` blocks, each with two parameters, is found though no node
+    wrapper outlives its visit (a set of bare ids lost the parameters of a whole Qwen2 on torch 2.11)."""
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2 * depth)]
+    spec: list = []
+    for i in reversed(range(depth)):
+        spec = [params[2 * i], [params[2 * i + 1]], spec] if spec else [params[2 * i], [params[2 * i + 1]]]
+    leaves = graph_leaves(_TransientOutput(spec))
+    assert {id(p) for p in leaves} == {id(p) for p in params}
+
+
 @pytest.mark.parametrize("bad", ["gradients", "Gradient", ""])
 def test_bad_reference_fails_naming_the_knob(bad):
     with pytest.raises(ValueError, match="clip_norm_reference"):
