@@ -44,7 +44,8 @@ __all__ = ["DIAGNOSTIC", "GradientNorms", "SecondBackwardUnsafe", "clip_bias_gra
 
 
 class SecondBackwardUnsafe(RuntimeError):
-    """The graph of ``log_prob`` cannot be differentiated a second time (the message names the fix)."""
+    """The graph of ``log_prob`` cannot be differentiated a second time with respect to the actor's
+    parameters (the message names the fix, or that none were found)."""
 
 
 def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
@@ -168,6 +169,11 @@ def clip_bias_gradient_norms(
         return GradientNorms(zero, zero if unclipped is not None else None, False)
     try:
         leaves = graph_leaves(log_prob)
+        if not leaves:  # log_prob requires grad, so its graph has leaves: none found is a walk gone wrong
+            raise SecondBackwardUnsafe(
+                f"sorl_verl: found no parameter in the autograd graph of log_prob (torch {torch.__version__}), "
+                "so C(theta) cannot be taken; please report it with your torch version"
+            )
     except SecondBackwardUnsafe as exc:
         if strict:
             raise
@@ -175,8 +181,6 @@ def clip_bias_gradient_norms(
             _WARNED.add(str(exc))
             warnings.warn(f"{exc}; sorl/clip_bias_grad_norm is not logged", RuntimeWarning, stacklevel=2)
         return None
-    if not leaves:
-        return GradientNorms(zero, zero if unclipped is not None else None, False)
     norm = _vjp_norm(log_prob, removed, leaves, scope)
     rel = None
     if unclipped is not None:

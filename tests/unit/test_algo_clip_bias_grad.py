@@ -337,6 +337,21 @@ def test_graph_leaves_survives_transient_node_wrappers(depth):
     assert {id(p) for p in leaves} == {id(p) for p in params}
 
 
+def test_a_graph_walk_that_finds_no_parameter_fails_loudly_not_with_zero(monkeypatch):
+    """No leaves under a log_prob that requires grad is a broken walk: the reference raises, the
+    diagnostic warns and logs nothing (never ||C(theta)|| = 0, which would read as 'nothing clipped')."""
+    from sorl_verl.algorithms import clip_bias_grad
+
+    monkeypatch.setattr(clip_bias_grad, "graph_leaves", lambda output: [])
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    log_prob = (weight * 2.0)[None]
+    removed = torch.tensor([[0.5, 0.0, -1.0]], dtype=torch.float64)
+    with pytest.raises(SecondBackwardUnsafe, match="found no parameter"):
+        clip_bias_grad.clip_bias_gradient_norms(log_prob, removed, None, "micro_batch", strict=True)
+    with pytest.warns(RuntimeWarning, match="found no parameter"):
+        assert clip_bias_grad.clip_bias_gradient_norms(log_prob, removed, None, "micro_batch", strict=False) is None
+
+
 @pytest.mark.parametrize("bad", ["gradients", "Gradient", ""])
 def test_bad_reference_fails_naming_the_knob(bad):
     with pytest.raises(ValueError, match="clip_norm_reference"):
