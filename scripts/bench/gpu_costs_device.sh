@@ -15,9 +15,8 @@
 # codetiming 1.4.0, nvtx 0.2.17, orjson 3.13.0, jsonschema 4.26.0, jsonschema-specifications 2025.9.1,
 # referencing 0.37.0, rpds-py 2026.9.1, and for verl.utils.checkpoint (verl.utils.dataset imports datasets
 # unconditionally) datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19. TransferQueue (with msgspec, pyzmq) is
-# optional in verl (mocked when absent) and left out. Rebuild it as in loss_cuda_device.sh's header, with
-# datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 added to the `pip download` list (--platform any too)
-# and dill's .data/ scripts dropped.
+# optional in verl (mocked when absent) and left out.
+# Rebuild it: `bash scripts/bench/build_bench_bundle.sh` (versions: scripts/bench/bench-bundle-lock.txt).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_costs_out}
 SITE=${SITE:-/tmp/site}

@@ -9,16 +9,7 @@
 # train, serve, data, llm, air, autoscaler, runtime-env agent removed), tensordict 0.10.0, pyvers 0.1.0,
 # omegaconf 2.3.1, antlr4-python3-runtime 4.9.3, codetiming 1.4.0, nvtx 0.2.17, orjson 3.13.0,
 # jsonschema 4.26.0, jsonschema-specifications 2025.9.1, referencing 0.37.0, rpds-py 2026.9.1.
-# Rebuild it:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d /tmp/gpuwhl verl==0.9.1 ray==2.60.0 tensordict==0.10.0 ...   (the list above; antlr4 4.9.3 has
-#     no wheel: copy its pure-python package from .venv)
-#   unzip each into /tmp/site_stage; drop verl's top-level tests/ and scripts/; in ray/ remove
-#     core/src/ray/gcs/gcs_server core/src/ray/raylet/raylet core/libjemalloc.so jars dashboard
-#     _private/runtime_env/agent/thirdparty_files rllib tune train serve data llm air autoscaler includes
-#     (keep ray/dag: imported at exit); strip --strip-debug every .so; drop __pycache__
-#   (cd /tmp/site_stage && tar -cf - . | xz -9 -T1) > .gpu/site.tar.xz
+# Rebuild it: `bash scripts/bench/build_bench_bundle.sh` (versions: scripts/bench/bench-bundle-lock.txt).
 set -euo pipefail
 OUT=${OUT:-/tmp/loss_cuda_out}
 SITE=${SITE:-/tmp/site}
