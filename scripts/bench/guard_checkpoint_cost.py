@@ -51,7 +51,7 @@ from verl.utils.torch_functional import get_constant_schedule_with_warmup
 from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss_in_step import MODELS  # noqa: E402
+from loss_in_step import MODELS, sync  # noqa: E402
 
 from sorl_verl.trainer.guard import link_tree  # noqa: E402
 
@@ -83,11 +83,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(device: str, fn: Callable[[], object]) -> float:
