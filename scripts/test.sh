@@ -40,7 +40,7 @@ ruff check sorl_verl scripts tests
 
 status=0
 if [ "$TEST_VLLM" = 1 ] && [ $# -eq 0 ]; then
-  python -m pytest --ignore="$VLLM_TEST" || status=$?
+  python -m pytest --durations=25 --ignore="$VLLM_TEST" || status=$?  # the slowest tests, for the CI budget
 else
   python -m pytest "$@" || status=$?
 fi
