@@ -45,10 +45,23 @@ __all__ = ["VARIABLES", "GpuPlan", "RecipeError", "build_launch", "dry_run_text"
 
 # --- hydra overrides -----------------------------------------------------------------------------
 
+#: ``GUARD=1``: the collapse guard (docs/guard.md) with the settings of the learning study's guarded
+#: cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence; written out in full so the
+#: command shows them and later changes of the config's defaults cannot change a recipe run
+GUARD_OVERRIDES = (
+    "sorl.guard.enable=true",
+    "sorl.guard.drop=0.3",
+    "sorl.guard.patience=1",
+    "sorl.guard.backoff=0.5",
+    "sorl.guard.backoff_target=lr",
+    "sorl.guard.max_restores=3",
+)
+
 
 def experiment_overrides(s: Mapping[str, str]) -> list[str]:
     """The overrides that define the experiment (validated settings): task overlay first;
-    ``PLATFORM=cpu`` adds ``+platform=cpu`` and leaves sizes, engines and GPU counts to it."""
+    ``PLATFORM=cpu`` adds ``+platform=cpu`` and leaves sizes, engines and GPU counts to it;
+    ``GUARD=1`` ends them with :data:`GUARD_OVERRIDES`."""
     gpu = s["PLATFORM"] == "gpu"
     critic = ALGORITHMS[s["ALGO"]].critic
     args = [f"+task={s['TASK_CONFIG']}"] + (["+platform=cpu"] if not gpu else [])
@@ -77,6 +90,8 @@ def experiment_overrides(s: Mapping[str, str]) -> list[str]:
     args += _off_policy_overrides(s, gpu)
     if gpu:
         args += [f"trainer.nnodes={s['NNODES']}", f"trainer.n_gpus_per_node={s['GPUS_PER_NODE']}"]
+    if s["GUARD"] == "1":  # it changes what is trained: part of the run's identity
+        args += GUARD_OVERRIDES
     return args
 
 
@@ -307,7 +322,7 @@ class Bookkeeping:
 
 def bookkeeping_overrides(s: Mapping[str, str], run: RunDir) -> Bookkeeping:
     """Tracker names; then either validation only of ``EVAL_STEP`` into ``RUN_DIR/eval/step_<N>``
-    or training in ``RUN_DIR`` with auto-resume. A resumed step that was validated before it was
+    (the collapse guard off: it guards training) or training in ``RUN_DIR`` with auto-resume. A resumed step that was validated before it was
     saved (a multiple of ``TEST_FREQ``) is not validated again unless ``VAL_BEFORE_TRAIN`` says so."""
     args = [
         f"trainer.logger={s['LOGGER']}",
@@ -322,6 +337,10 @@ def bookkeeping_overrides(s: Mapping[str, str], run: RunDir) -> Bookkeeping:
             "trainer.val_before_train=True",
             f"trainer.default_local_dir={work}/checkpoints",
         ]
+        if s["GUARD"] == "1":
+            # nothing is trained, so nothing to guard; with it on, the trainer would look for the
+            # training run's best snapshot under this launch's default_local_dir and stop
+            args.append("sorl.guard.enable=false")
         if step == "base":
             return Bookkeeping(
                 args + ["trainer.resume_mode=disable"],

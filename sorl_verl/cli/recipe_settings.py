@@ -61,7 +61,7 @@ DEFAULTS: dict[str, str] = {
     "ENTROPY_COEFF": "0", "NUM_MINI_BATCHES": "2", "PPO_EPOCHS": "1", "TRAINER_MODE": "sync", "STALENESS": "4",
     "STALENESS_STRATEGY": "drop", "WARMUP_BATCHES": "1", "ROLLOUT_NNODES": "1", "CHECKPOINT_ENGINE": "nccl",
     "PROJECT_NAME": "sorl", "TOTAL_STEPS": "1005", "TOTAL_EPOCHS": "15", "SAVE_FREQ": "100", "TEST_FREQ": "50",
-    "LOGGER": "[console,tensorboard,file]", "PYTHON": "python3", "VAL_ONLY": "0", "EVAL_STEP": "last",
+    "LOGGER": "[console,tensorboard,file]", "PYTHON": "python3", "VAL_ONLY": "0", "EVAL_STEP": "last", "GUARD": "1",
 }  # fmt: skip
 #: variables without a fixed default (derived, optional, or read as set)
 OTHER_VARIABLES = (
@@ -248,6 +248,31 @@ def default_gpu_split(cluster_gpus_per_node: int, separate: bool) -> tuple[int, 
     return trainer, rollout
 
 
+def _check_guard(s: Mapping[str, str], test_freq: int, gpu: bool) -> None:
+    """``GUARD``: 0 or 1. The guard (``sorl_verl/trainer/guard.py``) picks its best checkpoint by
+    validation, so training with it needs ``TEST_FREQ > 0`` (a validation-only launch trains
+    nothing and runs without it). It sets the actor's learning-rate scale through a torch LR
+    scheduler at every checkpoint load, whatever ``backoff_target`` and ``backoff`` are
+    (``guard_worker.scale_learning_rate``), and verl's Megatron engine has Megatron's own scheduler,
+    so ``STRATEGY=megatron`` is refused rather than stopping the run after the models load."""
+    _choice(s, "GUARD", ("0", "1"), "0 (off) or 1 (the collapse guard, docs/guard.md)")
+    if s["GUARD"] == "0":
+        return
+    if test_freq <= 0 and s["VAL_ONLY"] != "1":
+        raise RecipeError(
+            f"GUARD=1 (the collapse guard) chooses its best checkpoint by validation, but TEST_FREQ={test_freq} "
+            "runs none during training: set TEST_FREQ > 0 (validate every TEST_FREQ steps), or GUARD=0 to train "
+            "without the guard"
+        )
+    if gpu and s["STRATEGY"] == "megatron":
+        raise RecipeError(
+            "GUARD=1 (the collapse guard) does not run with STRATEGY=megatron: it sets the actor's learning rate "
+            "through a torch LR scheduler at every checkpoint load (also with backoff_target=clip_norm_tau or "
+            "backoff=1), and verl's Megatron engine has Megatron's own scheduler, so the run would stop after the "
+            "models load. Set GUARD=0 to train with Megatron without the guard, or STRATEGY=fsdp"
+        )
+
+
 def validate(s: dict[str, str]) -> GpuPlan | None:
     """Check the settings in the order the scripts always have (the first bad variable is named),
     fill the arithmetic defaults (``MAX_RESPONSE_LENGTH``, the GPU split, the ``ALGO`` row), and
@@ -281,7 +306,7 @@ def validate(s: dict[str, str]) -> GpuPlan | None:
             f"STALENESS must be a positive integer (model versions) or null (no limit), got '{s['STALENESS']}'"
         )
     _choice(s, "TRAINER_MODE", TRAINER_MODES, "sync, colocate_async or separate_async")
-    _int(s, "TEST_FREQ", None)
+    _check_guard(s, _int(s, "TEST_FREQ", None), gpu)
     separate = s["TRAINER_MODE"] == "separate_async"
     if (gpu or separate) and not {"GPUS_PER_NODE", "ROLLOUT_GPUS_PER_NODE"} <= s.keys():
         trainer, rollout = default_gpu_split(_int(s, "CLUSTER_GPUS_PER_NODE"), separate)

@@ -5,8 +5,10 @@ The golden file holds what the bash implementation of ``recipe/sorl/common.sh`` 
 status) for 123 combinations of run script and variables, captured before the logic moved to
 Python: every script's defaults and its ``separate_async`` variant, every ``ALGO`` on GPU, CPU and
 Megatron, both async modes, engines, run naming, and every start-up failure. The planner must
-reproduce each of them exactly; the run scripts' own defaults (``: "${NAME:=value}"``) are read
-from the scripts, as bash applies them. The GPU split and plan are checked as properties."""
+reproduce each of them exactly with ``GUARD=0`` (the bash recipe had no collapse guard); the run
+scripts' own defaults (``: "${NAME:=value}"``) are read from the scripts, as bash applies them.
+``GUARD=1`` (the default) is checked against that: the same command with the guard's overrides at
+the end of the experiment's. The GPU split and plan are checked as properties."""
 
 from __future__ import annotations
 
@@ -48,13 +50,14 @@ def planned(script: str, env: dict[str, str], extra: tuple[str, ...] = ()) -> tu
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=[c["name"] for c in GOLDEN["cases"]])
 def test_planner_reproduces_the_bash_recipe(case):
+    env = {"GUARD": "0", **case["env"]}
     if case["rc"] == 0:
-        out, err = planned(case["script"], case["env"], tuple(case["extra"]))
+        out, err = planned(case["script"], env, tuple(case["extra"]))
         assert out.splitlines() == case["stdout"]
         assert err.splitlines() == case["stderr"]
         return
     with pytest.raises(RecipeError) as exc:
-        planned(case["script"], case["env"], tuple(case["extra"]))
+        planned(case["script"], env, tuple(case["extra"]))
     expected = IMPROVED.get(case["name"]) or case["stderr"][-1].removeprefix("sorl recipe: ")
     assert case["rc"] == 2 or case["name"] in IMPROVED
     assert str(exc.value) == expected
@@ -84,11 +87,11 @@ def test_bad_integers_name_their_variable():
     for name, value in (("GPUS_PER_NODE", "08"), ("STALENESS", "04"), ("TEST_FREQ", "-0x1")):  # as bash refused them
         with pytest.raises(RecipeError, match=rf"^{name} must be .*, got '{value}'"):
             planned("run_so_grpo_qwen2.5_3b_search.sh", {name: value})
-    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1"})[0]
+    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1", "GUARD": "0"})[0]
     with pytest.raises(RecipeError, match="^NUM_MINI_BATCHES must be a positive integer, got '0'"):
         planned("run_so_grpo_qwen2.5_3b_search.sh", {"NUM_MINI_BATCHES": "0"})  # bash: division by 0
     with pytest.raises(RecipeError, match="^MICRO_BATCH_SIZE must be a positive integer"):
-        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0"})
+        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0", "GUARD": "0"})
 
 
 def test_the_command_line_prints_the_dry_run_or_exits_2(monkeypatch, capsys, tmp_path):
@@ -138,6 +141,84 @@ def test_identity_ignores_bookkeeping_keys_only():
         "trainer.n_gpus_per_node=8",
         "~actor_rollout_ref.actor.optim.optimizer_impl",
     ]
+
+
+# --- GUARD: the collapse guard -------------------------------------------------------------------
+
+#: the learning study's guard settings (docs/notes/2026-11-27-guard-in-recipes.md), spelled out here
+STUDY_GUARD = ["sorl.guard.enable=true", "sorl.guard.drop=0.3", "sorl.guard.patience=1", "sorl.guard.backoff=0.5",
+               "sorl.guard.backoff_target=lr", "sorl.guard.max_restores=3"]  # fmt: skip
+MAIN = "run_so_grpo_qwen2.5_3b_search.sh"
+
+
+@pytest.mark.parametrize(
+    ("script", "env"),
+    [
+        (MAIN, {}),
+        ("run_so_ppo_qwen2.5_7b_medical.sh", {"ALGO": "ppo"}),
+        ("run_so_grpo_qwen2.5_3b_search_async.sh", {}),
+        (MAIN, {"TRAINER_MODE": "colocate_async"}),
+        (MAIN, {"PLATFORM": "cpu", "ALGO": "s_ppo"}),
+    ],
+)
+def test_guard_on_by_default_adds_the_study_settings_to_the_experiment(script, env):
+    off = build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "0"}, ["x.y=1"], "<r>")
+    on = build_launch({**BASE_ENV, **script_defaults(script), **env}, ["x.y=1"], "<r>")
+    assert build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "1"}, ["x.y=1"], "<r>") == on
+    books = off.command.index(next(a for a in off.command if a.startswith("trainer.logger=")))
+    renamed = [a.replace(off.run.run_dir, on.run.run_dir).replace(off.run.experiment_name, on.run.experiment_name)
+               for a in off.command[books:]]  # fmt: skip
+    assert on.command == [*off.command[:books], *STUDY_GUARD, *renamed]
+    assert on.run.identity == [*off.run.identity[:-1], *STUDY_GUARD, "x.y=1"]  # it changes what is trained
+    assert on.run.run_dir != off.run.run_dir and on.run.run_dir[:-8] == off.run.run_dir[:-8]
+    assert not any("sorl.guard" in a for a in off.command)
+
+
+def test_trailing_hydra_arguments_still_win_over_the_guard_s_settings():
+    out, _ = planned(MAIN, {}, ("sorl.guard.patience=2",))
+    argv = out.splitlines()
+    assert argv[-1] == "sorl.guard.patience=2" and argv.index("sorl.guard.patience=1") < len(argv) - 1
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true", "on", "01", " 1"])
+def test_guard_takes_0_or_1_and_names_itself(value):
+    with pytest.raises(RecipeError, match=rf"^GUARD must be 0 \(off\) or 1 .*, got '{re.escape(value)}'$"):
+        planned(MAIN, {"GUARD": value})
+    assert planned(MAIN, {"GUARD": ""}) == planned(MAIN, {})  # empty counts as unset, like every variable
+
+
+@pytest.mark.parametrize("test_freq", ["0", "-1"])
+def test_guard_without_validations_stops_before_anything_starts(test_freq):
+    with pytest.raises(RecipeError) as exc:
+        planned(MAIN, {"TEST_FREQ": test_freq})
+    assert str(exc.value).startswith(f"GUARD=1 (the collapse guard) chooses its best checkpoint by validation, "
+                                     f"but TEST_FREQ={test_freq} runs none during training")  # fmt: skip
+    assert "set TEST_FREQ > 0" in str(exc.value) and "or GUARD=0" in str(exc.value)
+    assert f"trainer.test_freq={test_freq}" in planned(MAIN, {"TEST_FREQ": test_freq, "GUARD": "0"})[0]
+    # validation only trains nothing: the guard is off there, whatever TEST_FREQ is
+    assert "sorl.guard.enable=false" in planned(MAIN, {"TEST_FREQ": test_freq, "VAL_ONLY": "1", "EVAL_STEP": "base"})[0]
+
+
+@pytest.mark.parametrize("algo", ["so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo"])
+def test_guard_on_megatron_is_refused_naming_guard_and_strategy(algo):
+    env = {"STRATEGY": "megatron", "ALGO": algo}
+    with pytest.raises(RecipeError, match=r"^GUARD=1 .* STRATEGY=megatron: .* Set GUARD=0 .* or STRATEGY=fsdp$"):
+        planned("run_so_ppo_qwen2.5_7b_search.sh", env)
+    out, _ = planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "GUARD": "0"})
+    assert "model_engine=megatron" in out and "sorl.guard" not in out
+    assert "sorl.guard.enable=true" in planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "STRATEGY": "fsdp"})[0]
+
+
+def test_validation_only_finds_the_training_run_and_runs_without_the_guard(tmp_path):
+    env = {**BASE_ENV, "OUTPUT_DIR": str(tmp_path)}
+    train = build_launch(env, ["sorl.guard.patience=2"], "<r>")
+    val = build_launch({**env, "VAL_ONLY": "1", "EVAL_STEP": "base"}, ["sorl.guard.patience=2"], "<r>")
+    assert val.run == train.run and val.work_dir == f"{train.run.run_dir}/eval/step_base"
+    assert val.command.index("sorl.guard.enable=false") > val.command.index("sorl.guard.enable=true")
+    assert val.command[-1] == "sorl.guard.patience=2"
+    assert "sorl.guard.enable=false" not in train.command
+    unguarded = build_launch({**env, "VAL_ONLY": "1", "EVAL_STEP": "base", "GUARD": "0"}, [], "<r>")
+    assert not any("sorl.guard" in a for a in unguarded.command)
 
 
 # --- GPU plan: properties ------------------------------------------------------------------------
