@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 
 from sorl_verl.cli.recipe_plan import VARIABLES
+from sorl_verl.trainer.guard_rule import GuardConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipe" / "sorl"
 SCRIPTS = sorted(p.name for p in RECIPE.glob("run_*.sh"))
 ALGOS = ("so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo")
+#: the collapse guard as GUARD=1 configures it (the learning study's settings)
+STUDY_GUARD = GuardConfig(enable=True, drop=0.3, patience=1, backoff=0.5, backoff_target="lr", max_restores=3)
 #: ALGO -> (algorithm.adv_estimator, policy_loss.loss_mode, critic on)
 ALGO_TABLE = {
     "so_grpo": ("so_grpo", "so_grpo", False),
@@ -92,9 +95,14 @@ def compose_argv(argv: list[str]):
 
 
 def check_with_verl(cfg) -> dict:
-    """verl's start-up checks (what main_ppo runs) plus dataclass conversion of each section."""
+    """verl's start-up checks (what main_ppo runs) plus dataclass conversion of each section, and the
+    collapse guard's start-up checks (what the SORL trainers run before any worker starts)."""
+    from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from sorl_verl.trainer.guard import check_guard_against_trainer
+    from sorl_verl.trainer.guard_rule import guard_settings
 
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     built = {
@@ -104,6 +112,8 @@ def check_with_verl(cfg) -> dict:
     }
     if need_critic(cfg):
         built["critic"] = omega_conf_to_dataclass(cfg.critic)
+    built["guard"], _ = guard_settings(OmegaConf.to_container(cfg.sorl, resolve=True))
+    check_guard_against_trainer(cfg, built["guard"])
     return built
 
 
@@ -147,6 +157,7 @@ def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
     assert cfg.data.max_response_length == 4 * 500 + 3 * 500
     if algo == "gspo":
         assert (built["actor"].clip_ratio_low, built["actor"].clip_ratio_high) == (0.0003, 0.0004)
+    assert built["guard"] == STUDY_GUARD and cfg.trainer.test_freq == 50  # GUARD=1, the default
 
 
 def test_default_models_and_sizes_on_the_printed_command():
@@ -210,7 +221,7 @@ def test_async_trainer_modes_carry_staleness_and_satisfy_verl_s_asserts(mode, ti
         WARMUP_BATCHES="2",
     )
     cfg = compose_argv(argv)
-    check_with_verl(cfg)
+    assert check_with_verl(cfg)["guard"] == STUDY_GUARD  # the guard runs in all three SORL trainers
     v1 = cfg.trainer.v1
     assert v1.trainer_mode == f"sorl_{mode}"
     assert v1.sampler.max_off_policy_threshold == 2
@@ -242,6 +253,7 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ROLLOUT_ENGINE=engine,
         TRAIN_TP="2",
         TRAIN_PP="2",
+        GUARD="0" if strategy == "megatron" else "1",
     )
     cfg = compose_argv(argv)
     built = check_with_verl(cfg)
@@ -267,6 +279,9 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ({"STRATEGY": "deepspeed"}, "STRATEGY must be fsdp or megatron"),
         ({"STALENESS": "0"}, "STALENESS must be a positive integer"),
         ({"ROLLOUT_ENGINE": "trtllm"}, "ROLLOUT_ENGINE must be vllm or sglang"),
+        ({"GUARD": "true"}, "GUARD must be 0 (off) or 1 (the collapse guard, docs/guard.md), got 'true'"),
+        ({"TEST_FREQ": "0"}, "GUARD=1 (the collapse guard) chooses its best checkpoint by validation, but TEST_FREQ=0"),
+        ({"STRATEGY": "megatron"}, "GUARD=1 (the collapse guard) does not run with STRATEGY=megatron: "),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(env, message):
@@ -280,6 +295,23 @@ def test_bad_settings_fail_before_anything_starts(env, message):
         check=False,
     )
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
+
+
+def test_the_megatron_refusal_is_what_the_guard_s_learning_rate_setter_does():
+    """The reason for the refusal above: at every checkpoint load (start-up included) the guard sets
+    the actor's lr scale, 1 when nothing was backed off, and that needs a torch scheduler's
+    ``base_lrs``; Megatron's ``OptimizerParamScheduler`` has ``max_lr``/``min_lr`` instead. When the
+    guard learns Megatron's scheduler this test fails: then drop the refusal in recipe_settings."""
+    import torch
+
+    from sorl_verl.trainer.guard_worker import scale_learning_rate
+
+    class MegatronLikeScheduler:  # the attributes verl's get_megatron_optimizer_param_scheduler sets
+        max_lr, min_lr, num_steps = 1e-6, 0.0, 0
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-6)
+    with pytest.raises(NotImplementedError, match="backoff_target=clip_norm_tau or an FSDP engine"):
+        scale_learning_rate(optimizer, MegatronLikeScheduler(), 1.0)
 
 
 def test_misspelled_sorl_knob_value_fails_at_config_build(tiny_model):

@@ -1,5 +1,6 @@
 """The validation-only path end to end on CPU: a run script with PLATFORM=cpu trains the embedded
-default for one step (verl main_ppo, hf rollout, search_r1 agent loop, live BM25 server), then
+default for one step (verl main_ppo, hf rollout, search_r1 agent loop, live BM25 server; the
+collapse guard on, as in every recipe run, so step 1's validation is its best checkpoint), then
 VAL_ONLY=1 evaluates that checkpoint through verl's own validation (``trainer.val_only=True``)
 into ``<run>/eval/step_1/`` and tabulates it. Greedy validation (the CPU overlay's val_kwargs), so
 the val-only EM of checkpoint 1 equals the EM the training launch validated at step 1."""
@@ -52,6 +53,8 @@ def test_train_one_step_then_validation_only_of_its_checkpoint(tmp_path):
         trained_em = {r["step"]: r["data"]["val-aux/synthetic_1hop/em/mean@1"] for r in _records(run_dir)
                       if "val-aux/synthetic_1hop/em/mean@1" in r["data"]}  # fmt: skip
         assert sorted(trained_em) == [0, 1]
+        guard_best = [r["data"]["sorl/guard/best_step"] for r in _records(run_dir) if r["step"] == 1]
+        assert guard_best == [1.0] and (run_dir / "checkpoints" / "sorl_guard" / "best_step_1" / "actor").is_dir()
 
         val = subprocess.run(["bash", str(SCRIPT), *SMALL], env={**env, "VAL_ONLY": "1", "EVAL_STEP": "last"},
                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
