@@ -36,6 +36,7 @@ from sorl_verl.cli.recipe_settings import (
     GpuPlan,
     RecipeError,
     basename,
+    guard_backoff_target,
     resolve_settings,
     validate,
 )
@@ -58,10 +59,16 @@ GUARD_OVERRIDES = (
 )
 
 
+def guard_overrides(s: Mapping[str, str]) -> list[str]:
+    """:data:`GUARD_OVERRIDES` with the backoff target of :func:`guard_backoff_target`."""
+    target = f"sorl.guard.backoff_target={guard_backoff_target(s)}"
+    return [target if o.startswith("sorl.guard.backoff_target=") else o for o in GUARD_OVERRIDES]
+
+
 def experiment_overrides(s: Mapping[str, str]) -> list[str]:
     """The overrides that define the experiment (validated settings): task overlay first;
     ``PLATFORM=cpu`` adds ``+platform=cpu`` and leaves sizes, engines and GPU counts to it;
-    ``GUARD=1`` ends them with :data:`GUARD_OVERRIDES`."""
+    ``GUARD=1`` ends them with :func:`guard_overrides`."""
     gpu = s["PLATFORM"] == "gpu"
     critic = ALGORITHMS[s["ALGO"]].critic
     args = [f"+task={s['TASK_CONFIG']}"] + (["+platform=cpu"] if not gpu else [])
@@ -91,7 +98,7 @@ def experiment_overrides(s: Mapping[str, str]) -> list[str]:
     if gpu:
         args += [f"trainer.nnodes={s['NNODES']}", f"trainer.n_gpus_per_node={s['GPUS_PER_NODE']}"]
     if s["GUARD"] == "1":  # it changes what is trained: part of the run's identity
-        args += GUARD_OVERRIDES
+        args += guard_overrides(s)
     return args
 
 

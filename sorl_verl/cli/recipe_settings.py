@@ -248,13 +248,22 @@ def default_gpu_split(cluster_gpus_per_node: int, separate: bool) -> tuple[int, 
     return trainer, rollout
 
 
-def _check_guard(s: Mapping[str, str], test_freq: int, gpu: bool) -> None:
+#: loss modes with a SORL normalizer whose ``clip_norm_tau`` the guard can lower: the guard's own
+#: ``sorl_verl.trainer.guard.TAU_LOSSES`` (not imported: that module loads torch and Ray; a test ties them)
+TAU_LOSS_MODES = ("so_grpo", "so_ppo", "s_ppo")
+
+
+def guard_backoff_target(s: Mapping[str, str]) -> str:
+    """What ``GUARD=1`` backs off: the learning rate, or ``clip_norm_tau`` with ``STRATEGY=megatron``,
+    whose scheduler (Megatron's own) the guard cannot scale (``guard_worker.scale_learning_rate``)."""
+    return "clip_norm_tau" if s["PLATFORM"] == "gpu" and s["STRATEGY"] == "megatron" else "lr"
+
+
+def _check_guard(s: Mapping[str, str], test_freq: int) -> None:
     """``GUARD``: 0 or 1. The guard (``sorl_verl/trainer/guard.py``) picks its best checkpoint by
     validation, so training with it needs ``TEST_FREQ > 0`` (a validation-only launch trains
-    nothing and runs without it). It sets the actor's learning-rate scale through a torch LR
-    scheduler at every checkpoint load, whatever ``backoff_target`` and ``backoff`` are
-    (``guard_worker.scale_learning_rate``), and verl's Megatron engine has Megatron's own scheduler,
-    so ``STRATEGY=megatron`` is refused rather than stopping the run after the models load."""
+    nothing and runs without it). With Megatron it backs off ``clip_norm_tau``
+    (:func:`guard_backoff_target`), which needs a loss with a SORL normalizer."""
     _choice(s, "GUARD", ("0", "1"), "0 (off) or 1 (the collapse guard, docs/guard.md)")
     if s["GUARD"] == "0":
         return
@@ -264,12 +273,14 @@ def _check_guard(s: Mapping[str, str], test_freq: int, gpu: bool) -> None:
             "runs none during training: set TEST_FREQ > 0 (validate every TEST_FREQ steps), or GUARD=0 to train "
             "without the guard"
         )
-    if gpu and s["STRATEGY"] == "megatron":
+    if guard_backoff_target(s) == "clip_norm_tau" and (
+        s["LOSS_MODE"] not in TAU_LOSS_MODES or s.get("CLIP_NORM_MODE") == "none"
+    ):
         raise RecipeError(
-            "GUARD=1 (the collapse guard) does not run with STRATEGY=megatron: it sets the actor's learning rate "
-            "through a torch LR scheduler at every checkpoint load (also with backoff_target=clip_norm_tau or "
-            "backoff=1), and verl's Megatron engine has Megatron's own scheduler, so the run would stop after the "
-            "models load. Set GUARD=0 to train with Megatron without the guard, or STRATEGY=fsdp"
+            "GUARD=1 (the collapse guard) with STRATEGY=megatron backs off the SORL normalizer's clip_norm_tau "
+            "(it cannot scale the learning rate of Megatron's scheduler), but "
+            f"ALGO={s['ALGO']} (CLIP_NORM_MODE={s.get('CLIP_NORM_MODE', 'max')}) has no normalizer: use ALGO "
+            "so_grpo, so_ppo or s_ppo with CLIP_NORM_MODE max or add, STRATEGY=fsdp, or GUARD=0"
         )
 
 
@@ -306,7 +317,7 @@ def validate(s: dict[str, str]) -> GpuPlan | None:
             f"STALENESS must be a positive integer (model versions) or null (no limit), got '{s['STALENESS']}'"
         )
     _choice(s, "TRAINER_MODE", TRAINER_MODES, "sync, colocate_async or separate_async")
-    _check_guard(s, _int(s, "TEST_FREQ", None), gpu)
+    _check_guard(s, _int(s, "TEST_FREQ", None))
     separate = s["TRAINER_MODE"] == "separate_async"
     if (gpu or separate) and not {"GPUS_PER_NODE", "ROLLOUT_GPUS_PER_NODE"} <= s.keys():
         trainer, rollout = default_gpu_split(_int(s, "CLUSTER_GPUS_PER_NODE"), separate)

@@ -25,7 +25,10 @@ BASE_LR_KEY = "sorl_guard_base_lr"
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, scale: float) -> list[float]:
-    """Set each group's learning rate to ``scale`` x its unscaled schedule value; returns the new lrs."""
+    """Set each group's learning rate to ``scale`` x its unscaled schedule value; returns the new lrs.
+
+    Needs a torch LR scheduler (``base_lrs``, ``initial_lr``) or none; another scheduler (Megatron's
+    ``OptimizerParamScheduler``) is left alone at ``scale == 1`` and raises for any other scale."""
     if scale <= 0:
         raise ValueError(f"learning-rate scale must be > 0, got {scale}")
     groups = optimizer.param_groups
@@ -36,6 +39,8 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, scale:
         return [group["lr"] for group in groups]
     base_lrs = getattr(scheduler, "base_lrs", None)
     if base_lrs is None or len(base_lrs) != len(groups) or any("initial_lr" not in g for g in groups):
+        if scale == 1.0:  # nothing to scale: the guard never changed this schedule (it cannot), keep it
+            return [group["lr"] for group in groups]
         raise NotImplementedError(
             f"sorl.guard cannot scale the learning rate of a {type(scheduler).__name__} scheduler (no torch "
             "base_lrs/initial_lr); use sorl.guard.backoff_target=clip_norm_tau or an FSDP engine"

@@ -253,7 +253,6 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ROLLOUT_ENGINE=engine,
         TRAIN_TP="2",
         TRAIN_PP="2",
-        GUARD="0" if strategy == "megatron" else "1",
     )
     cfg = compose_argv(argv)
     built = check_with_verl(cfg)
@@ -265,7 +264,10 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         # no optimizer plug point in Megatron: the normalizer acts on the loss there
         assert "optimizer_impl" not in cfg.actor_rollout_ref.actor.optim
         assert cfg.actor_rollout_ref.actor.policy_loss.clip_norm_apply == "loss"
+        # Megatron's scheduler is not torch's: the guard backs off clip_norm_tau (checked above)
+        assert built["guard"].enable and built["guard"].backoff_target == "clip_norm_tau"
     else:
+        assert built["guard"].enable and built["guard"].backoff_target == "lr"
         assert cfg.actor_rollout_ref.actor.optim.optimizer_impl == "sorl_verl.algorithms.optim"
 
 
@@ -281,7 +283,7 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ({"ROLLOUT_ENGINE": "trtllm"}, "ROLLOUT_ENGINE must be vllm or sglang"),
         ({"GUARD": "true"}, "GUARD must be 0 (off) or 1 (the collapse guard, docs/guard.md), got 'true'"),
         ({"TEST_FREQ": "0"}, "GUARD=1 (the collapse guard) chooses its best checkpoint by validation, but TEST_FREQ=0"),
-        ({"STRATEGY": "megatron"}, "GUARD=1 (the collapse guard) does not run with STRATEGY=megatron: "),
+        ({"STRATEGY": "megatron", "ALGO": "grpo"}, "GUARD=1 (the collapse guard) with STRATEGY=megatron backs off"),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(env, message):
@@ -297,21 +299,26 @@ def test_bad_settings_fail_before_anything_starts(env, message):
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
 
 
-def test_the_megatron_refusal_is_what_the_guard_s_learning_rate_setter_does():
-    """The reason for the refusal above: at every checkpoint load (start-up included) the guard sets
-    the actor's lr scale, 1 when nothing was backed off, and that needs a torch scheduler's
-    ``base_lrs``; Megatron's ``OptimizerParamScheduler`` has ``max_lr``/``min_lr`` instead. When the
-    guard learns Megatron's scheduler this test fails: then drop the refusal in recipe_settings."""
+def test_the_planner_s_megatron_guard_matches_what_the_guard_can_do():
+    """The planner's list of losses with a normalizer is the guard's own, and on a scheduler that is
+    not torch's (Megatron's ``OptimizerParamScheduler`` has ``max_lr``/``min_lr``, no ``base_lrs``)
+    the guard's learning-rate setter leaves scale 1 alone and cannot back off: why the recipes back
+    off ``clip_norm_tau`` there."""
     import torch
 
+    from sorl_verl.cli.recipe_settings import TAU_LOSS_MODES
+    from sorl_verl.trainer.guard import TAU_LOSSES
     from sorl_verl.trainer.guard_worker import scale_learning_rate
+
+    assert TAU_LOSS_MODES == TAU_LOSSES
 
     class MegatronLikeScheduler:  # the attributes verl's get_megatron_optimizer_param_scheduler sets
         max_lr, min_lr, num_steps = 1e-6, 0.0, 0
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-6)
+    assert scale_learning_rate(optimizer, MegatronLikeScheduler(), 1.0) == [1e-6]
     with pytest.raises(NotImplementedError, match="backoff_target=clip_norm_tau or an FSDP engine"):
-        scale_learning_rate(optimizer, MegatronLikeScheduler(), 1.0)
+        scale_learning_rate(optimizer, MegatronLikeScheduler(), 0.5)
 
 
 def test_misspelled_sorl_knob_value_fails_at_config_build(tiny_model):

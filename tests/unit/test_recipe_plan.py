@@ -199,11 +199,33 @@ def test_guard_without_validations_stops_before_anything_starts(test_freq):
     assert "sorl.guard.enable=false" in planned(MAIN, {"TEST_FREQ": test_freq, "VAL_ONLY": "1", "EVAL_STEP": "base"})[0]
 
 
-@pytest.mark.parametrize("algo", ["so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo"])
-def test_guard_on_megatron_is_refused_naming_guard_and_strategy(algo):
+@pytest.mark.parametrize("algo", ["so_grpo", "so_ppo", "s_ppo"])
+def test_guard_on_megatron_backs_off_clip_norm_tau(algo):
+    """Megatron's scheduler is not torch's, so the guard cannot scale its learning rate: with a SORL
+    normalizer the recipe's guard lowers clip_norm_tau instead; FSDP keeps the lr backoff."""
     env = {"STRATEGY": "megatron", "ALGO": algo}
-    with pytest.raises(RecipeError, match=r"^GUARD=1 .* STRATEGY=megatron: .* Set GUARD=0 .* or STRATEGY=fsdp$"):
+    argv = planned("run_so_ppo_qwen2.5_7b_search.sh", env)[0].splitlines()
+    assert "model_engine=megatron" in argv
+    assert [a for a in argv if a.startswith("sorl.guard.")] == [
+        a.replace("backoff_target=lr", "backoff_target=clip_norm_tau") for a in STUDY_GUARD
+    ]
+    fsdp = planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "STRATEGY": "fsdp"})[0].splitlines()
+    assert [a for a in fsdp if a.startswith("sorl.guard.")] == STUDY_GUARD
+    with pytest.raises(RecipeError, match=r"ALGO=.* \(CLIP_NORM_MODE=none\) has no normalizer"):
+        planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "CLIP_NORM_MODE": "none"})
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo", "turn_ppo"])
+def test_guard_on_megatron_without_a_normalizer_is_refused_naming_the_fixes(algo):
+    env = {"STRATEGY": "megatron", "ALGO": algo}
+    with pytest.raises(RecipeError) as exc:
         planned("run_so_ppo_qwen2.5_7b_search.sh", env)
+    message = str(exc.value)
+    assert message.startswith("GUARD=1 (the collapse guard) with STRATEGY=megatron backs off")
+    assert f"ALGO={algo} (CLIP_NORM_MODE=max) has no normalizer" in message
+    assert message.endswith(
+        "use ALGO so_grpo, so_ppo or s_ppo with CLIP_NORM_MODE max or add, STRATEGY=fsdp, or GUARD=0"
+    )
     out, _ = planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "GUARD": "0"})
     assert "model_engine=megatron" in out and "sorl.guard" not in out
     assert "sorl.guard.enable=true" in planned("run_so_ppo_qwen2.5_7b_search.sh", {**env, "STRATEGY": "fsdp"})[0]

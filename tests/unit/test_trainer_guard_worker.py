@@ -78,6 +78,13 @@ def test_without_scheduler_and_unsupported_scheduler():
     assert scale_learning_rate(opt, None, 0.5) == [pytest.approx(0.05)]
     with pytest.raises(NotImplementedError, match="backoff_target=clip_norm_tau"):
         scale_learning_rate(opt, types.SimpleNamespace(), 0.5)
+    # scale 1 on a scheduler that is not torch's (the guard's call at every load with
+    # backoff_target=clip_norm_tau): nothing to scale, the lrs and the scheduler stay as they are
+    megatron_like = types.SimpleNamespace(max_lr=0.2, min_lr=0.0, num_steps=7)
+    before = [dict(g) for g in opt.param_groups]
+    assert scale_learning_rate(opt, megatron_like, 1.0) == [g["lr"] for g in before]
+    assert [dict(g) for g in opt.param_groups] == before
+    assert vars(megatron_like) == {"max_lr": 0.2, "min_lr": 0.0, "num_steps": 7}
     with pytest.raises(ValueError, match="> 0"):
         scale_learning_rate(opt, None, 0.0)
 
