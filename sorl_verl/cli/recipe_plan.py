@@ -46,23 +46,20 @@ __all__ = ["VARIABLES", "GpuPlan", "RecipeError", "build_launch", "dry_run_text"
 
 # --- hydra overrides -----------------------------------------------------------------------------
 
-#: ``GUARD=1``: the collapse guard (docs/guard.md) with the settings of the learning study's guarded
-#: cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence; written out in full so the
-#: command shows them and later changes of the config's defaults cannot change a recipe run
-GUARD_OVERRIDES = (
-    "sorl.guard.enable=true",
-    "sorl.guard.drop=0.3",
-    "sorl.guard.patience=1",
-    "sorl.guard.backoff=0.5",
-    "sorl.guard.backoff_target=lr",
-    "sorl.guard.max_restores=3",
-)
-
 
 def guard_overrides(s: Mapping[str, str]) -> list[str]:
-    """:data:`GUARD_OVERRIDES` with the backoff target of :func:`guard_backoff_target`."""
-    target = f"sorl.guard.backoff_target={guard_backoff_target(s)}"
-    return [target if o.startswith("sorl.guard.backoff_target=") else o for o in GUARD_OVERRIDES]
+    """``GUARD=1``: the collapse guard (docs/guard.md) with the settings of the learning study's guarded
+    cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence, and the backoff target of
+    :func:`guard_backoff_target`; written out in full so the command shows them and later changes of
+    the config's defaults cannot change a recipe run."""
+    return [
+        "sorl.guard.enable=true",
+        "sorl.guard.drop=0.3",
+        "sorl.guard.patience=1",
+        "sorl.guard.backoff=0.5",
+        f"sorl.guard.backoff_target={guard_backoff_target(s)}",
+        "sorl.guard.max_restores=3",
+    ]
 
 
 def experiment_overrides(s: Mapping[str, str]) -> list[str]:
@@ -329,8 +326,9 @@ class Bookkeeping:
 
 def bookkeeping_overrides(s: Mapping[str, str], run: RunDir) -> Bookkeeping:
     """Tracker names; then either validation only of ``EVAL_STEP`` into ``RUN_DIR/eval/step_<N>``
-    (the collapse guard off: it guards training) or training in ``RUN_DIR`` with auto-resume. A resumed step that was validated before it was
-    saved (a multiple of ``TEST_FREQ``) is not validated again unless ``VAL_BEFORE_TRAIN`` says so."""
+    (the collapse guard off: it guards training) or training in ``RUN_DIR`` with auto-resume. A
+    resumed step that was validated before it was saved (a multiple of ``TEST_FREQ``) is not
+    validated again unless ``VAL_BEFORE_TRAIN`` says so."""
     args = [
         f"trainer.logger={s['LOGGER']}",
         f"trainer.project_name={s['PROJECT_NAME']}",
