@@ -6,6 +6,10 @@ reward, SORL and PPO clip fractions, Z, SORL update scale, ppo_kl, grad norm, en
 length, rollout staleness (async regimes), rollout-vs-actor probability difference (mismatch
 regime). At a step, the mean and band are over the seeds that logged it. Colours are fixed per
 algorithm across the figures of one study.
+
+A regime that compares algorithms (at least two of them with at least ``MIN_SEEDS`` seeds each) also
+gets ``<prefix>_<regime>_validation.png``: the validation score alone, the mean over splits and each
+split, for the algorithms with ``MIN_SEEDS`` seeds (the README's figure).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from sorl_verl.study.metrics import Trace
+
+#: seeds an algorithm needs in a regime to enter its validation figure (a band needs two)
+MIN_SEEDS = 2
 
 #: resolution of the PNGs (3 panels a row: 1200 px wide); the committed figures are regenerated at it
 DPI = 80
@@ -135,8 +142,86 @@ def plot_regime(
     return path
 
 
+def compared(runs: Sequence[tuple[str, int, Trace]]) -> dict[str, list[Trace]]:
+    """Algorithm -> traces of the algorithms with ``MIN_SEEDS`` seeds that logged a validation; empty
+    unless at least two algorithms qualify."""
+    seeds: dict[str, set[int]] = defaultdict(set)
+    by_alg: dict[str, list[Trace]] = defaultdict(list)
+    for algorithm, seed, trace in runs:
+        if trace.validations:
+            seeds[algorithm].add(seed)
+            by_alg[algorithm].append(trace)
+    kept = {a: ts for a, ts in by_alg.items() if len(seeds[a]) >= MIN_SEEDS}
+    return kept if len(kept) >= 2 else {}
+
+
+def split_points(trace: Trace, source: str | None) -> list[tuple[int, float]]:
+    """(step, score) of one data source's validations, or of their mean when ``source`` is None."""
+    if source is None:
+        return _points(trace, ())
+    return [(s, v[source]) for s, v in trace.validations if source in v and math.isfinite(v[source])]
+
+
+def plot_validation(
+    regime: str,
+    by_alg: dict[str, list[Trace]],
+    path: Path,
+    colors: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``path``: per algorithm the mean over seeds and the min-max band of the validation score
+    (mean over splits) and of each split's score, one panel each, 2 panels a row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    sources = sorted({src for ts in by_alg.values() for t in ts for _, v in t.validations for src in v})
+    panels: list[str | None] = [None, *sources]
+    colors = colors or algorithm_colors(list(by_alg))
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 0.7 + 2.9 * nrows), squeeze=False)
+    for ax, source in zip(axes.flat, panels, strict=False):
+        for algorithm in sorted(by_alg):
+            traces = by_alg[algorithm]
+            steps, mean, lo, hi = band([split_points(t, source) for t in traces])
+            if not steps:
+                continue
+            c = colors[algorithm]
+            ax.plot(steps, mean, color=c, marker="o", ms=3, lw=1.4, label=f"{algorithm} (n={len(traces)})")
+            ax.fill_between(steps, lo, hi, color=c, alpha=0.12, lw=0)
+        ax.set_title("mean over splits" if source is None else source, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(which="both", labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    height_in = 0.7 + 2.9 * nrows
+    fig.suptitle(
+        f"validation score, regime {regime} (line: mean over seeds, band: min-max)", fontsize=10, y=1 - 0.1 / height_in
+    )
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1 - 0.28 / height_in),
+        ncol=min(5, len(labels)),
+        fontsize=7,
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / height_in))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def plot_study(runs: Sequence[tuple[str, str, int, Trace]], out_dir: Path, prefix: str) -> list[Path]:
-    """One ``<prefix>_<regime>.png`` per regime from (regime, algorithm, seed, trace)."""
+    """One ``<prefix>_<regime>.png`` per regime from (regime, algorithm, seed, trace), and
+    ``<prefix>_<regime>_validation.png`` per regime that compares algorithms (:func:`compared`)."""
     colors = algorithm_colors(sorted({a for _, a, _, _ in runs}))
     by_regime: dict[str, list[tuple[str, int, Trace]]] = defaultdict(list)
     for regime, algorithm, seed, trace in runs:
@@ -146,4 +231,6 @@ def plot_study(runs: Sequence[tuple[str, str, int, Trace]], out_dir: Path, prefi
         p = plot_regime(regime, by_regime[regime], out_dir / f"{prefix}_{regime}.png", colors)
         if p is not None:
             written.append(p)
+        if by_alg := compared(by_regime[regime]):
+            written.append(plot_validation(regime, by_alg, out_dir / f"{prefix}_{regime}_validation.png", colors))
     return written
