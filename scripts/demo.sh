@@ -74,6 +74,9 @@ T0=$(date +%s)
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
+# a rollout engine named in the overrides (rollout.name=vllm) must be importable before anything is
+# built or Ray starts: exit 2 naming the setup script otherwise (sorl_verl/cli/rollout_engine.py)
+python -m sorl_verl.cli.rollout_engine "${EXTRA[@]}"
 # the one cache of the project (sorl_verl.paths.data_home): $SORL_HOME, else ~/.cache/sorl_verl
 SORL_HOME=$(python -c 'from sorl_verl.paths import data_home; print(data_home())')
 export SORL_HOME
