@@ -7,6 +7,9 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
                                   # and whose embedded default the cells train and validate on
     warmstart: expert             # the task's named warm-start (demo_paths.warmstart_names) the
                                   # cells start from and the training set it implies
+    warmstart_pin: ../../../docs/results/study/warmstart-<digest>.tar.xz   # optional: the warm-start's
+                                  # weights pinned by content (sorl_verl/study/pinned_warmstart.py),
+                                  # loaded instead of this machine's build (path relative to this file)
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
     steps: 20                     # trainer.total_training_steps of every cell
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
@@ -67,6 +70,7 @@ GRID_KEYS = {
     "name",
     "task",
     "warmstart",
+    "warmstart_pin",
     "description",
     "include",
     "config_dir",
@@ -145,6 +149,8 @@ class Grid:
     regimes: Mapping[str, Entry]
     cells: tuple[Cell, ...]
     warning_fall_rule: bool = False
+    #: the pinned warm-start the cells load instead of this machine's build (None: the build)
+    warmstart_pin: Path | None = None
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -421,6 +427,17 @@ def load_grid(path: str | Path) -> Grid:
     steps = _positive_int(loc, ["steps"], data.get("steps"))
     test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
+    warmstart_pin = None
+    if data.get("warmstart_pin") is not None:
+        from sorl_verl.study.pinned_warmstart import PinError, pin_digest
+
+        warmstart_pin = (path.parent / str(data["warmstart_pin"])).resolve()
+        try:
+            pin_digest(warmstart_pin)
+        except PinError as e:
+            raise loc.error(["warmstart_pin"], str(e)) from None
+        if not warmstart_pin.is_file():
+            raise loc.error(["warmstart_pin"], f"{warmstart_pin} not found")
     warning_fall_rule = data.get("warning_fall_rule", False)
     if not isinstance(warning_fall_rule, bool):
         raise loc.error(["warning_fall_rule"], f"must be true or false, got {warning_fall_rule!r}")
@@ -463,6 +480,7 @@ def load_grid(path: str | Path) -> Grid:
         regimes=regimes,
         cells=tuple(cells),
         warning_fall_rule=warning_fall_rule,
+        warmstart_pin=warmstart_pin,
     )
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
-import hashlib
 import json
 import os
 import shlex
@@ -43,6 +42,7 @@ from typing import Any, TextIO
 
 from sorl_verl.study.grid import DEFAULT_TASK, DEFAULT_WARMSTART, EMBEDDED_TASK, Cell, Grid
 from sorl_verl.study.metrics import Trace, read_trace
+from sorl_verl.study.pinned_warmstart import model_digest, pinned_model
 
 DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
 RECORD = "cell.json"
@@ -63,21 +63,6 @@ class Inputs:
     val: Path
     model: Path
     retrieval_url: str
-
-
-def model_digest(model_dir: Path) -> str | None:
-    """First 16 hex digits of the SHA-256 of the weight files' SHA-256s, in name order (None when
-    there are none).
-
-    The warm-start is trained on the CPU of the machine that builds it, and its weights differ
-    between CPU types (AVX2 / AVX-512 kernels round differently over 600 SFT steps): runs compare
-    only where their digests agree."""
-    from sorl_verl.retrieval.corpus import sha256_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.bin"))
-    if not files:
-        return None
-    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()[:16]
 
 
 def cpu_name() -> str:
@@ -397,9 +382,12 @@ def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
     return "pending"
 
 
-def prepare_inputs(log: TextIO, task: str = DEFAULT_TASK, warmstart: str = DEFAULT_WARMSTART) -> tuple[Inputs, Any]:
+def prepare_inputs(
+    log: TextIO, task: str = DEFAULT_TASK, warmstart: str = DEFAULT_WARMSTART, pin: Path | None = None
+) -> tuple[Inputs, Any]:
     """Build/load the embedded default of ``task`` from ``warmstart`` and start the retrieval server over its
-    corpus (call it under the heavy lock).
+    corpus (call it under the heavy lock). With ``pin`` (the grid's ``warmstart_pin``) the runs load that
+    pinned warm-start instead of this machine's build (:mod:`sorl_verl.study.pinned_warmstart`).
 
     Returns the inputs and the server (``.stop()`` it when done).
     """
@@ -409,9 +397,13 @@ def prepare_inputs(log: TextIO, task: str = DEFAULT_TASK, warmstart: str = DEFAU
     built = embedded_task(EMBEDDED_TASK[task], warmstart=warmstart)
     if built.overlay != task:
         raise ValueError(f"embedded default of {task!r} runs the overlay {built.overlay!r}")
+    model = built.model
+    if pin is not None:
+        model = pinned_model(pin, built.model.parent)
+        print(f"[study] pinned warm-start {model} (built here: {model_digest(built.model)})", file=log, flush=True)
     server = serve_in_background(built.index_dir, subprocess_mode=True)
     print(f"[study] task {task}: retrieval server {server.retrieve_url} (pid {server.pid})", file=log, flush=True)
-    return Inputs(train=built.train, val=built.val, model=built.model, retrieval_url=server.retrieve_url), server
+    return Inputs(train=built.train, val=built.val, model=model, retrieval_url=server.retrieve_url), server
 
 
 @contextlib.contextmanager
@@ -480,7 +472,7 @@ def run_grid(
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     if inputs is None:  # first cell to run: embedded default (built on first use) + server
-                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart)
+                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart, grid.warmstart_pin)
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)
