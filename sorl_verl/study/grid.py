@@ -10,6 +10,8 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     warmstart_pin: ../../../docs/results/study/warmstart-<digest>.tar.xz   # optional: the warm-start's
                                   # weights pinned by content (sorl_verl/study/pinned_warmstart.py),
                                   # loaded instead of this machine's build (path relative to this file)
+    warmstart_digest: 4a317b47011afc65   # optional, without a pin: run only where this machine's own
+                                  # build of the warm-start has this digest (runs compare only then)
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
     steps: 20                     # trainer.total_training_steps of every cell
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
@@ -71,6 +73,7 @@ GRID_KEYS = {
     "task",
     "warmstart",
     "warmstart_pin",
+    "warmstart_digest",
     "description",
     "include",
     "config_dir",
@@ -151,6 +154,8 @@ class Grid:
     warning_fall_rule: bool = False
     #: the pinned warm-start the cells load instead of this machine's build (None: the build)
     warmstart_pin: Path | None = None
+    #: without a pin: the digest this machine's build must have (None: any)
+    warmstart_digest: str | None = None
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -438,6 +443,16 @@ def load_grid(path: str | Path) -> Grid:
             raise loc.error(["warmstart_pin"], str(e)) from None
         if not warmstart_pin.is_file():
             raise loc.error(["warmstart_pin"], f"{warmstart_pin} not found")
+    warmstart_digest = data.get("warmstart_digest")
+    if warmstart_digest is not None:
+        if warmstart_pin is not None:
+            raise loc.error(["warmstart_digest"], "a grid with a warmstart_pin takes its digest from the pin's name")
+        if not (isinstance(warmstart_digest, str) and len(warmstart_digest) == 16):
+            raise loc.error(["warmstart_digest"], f"must be 16 hex digits (model_digest), got {warmstart_digest!r}")
+        try:
+            int(warmstart_digest, 16)
+        except ValueError:
+            raise loc.error(["warmstart_digest"], f"must be 16 hex digits, got {warmstart_digest!r}") from None
     warning_fall_rule = data.get("warning_fall_rule", False)
     if not isinstance(warning_fall_rule, bool):
         raise loc.error(["warning_fall_rule"], f"must be true or false, got {warning_fall_rule!r}")
@@ -481,6 +496,7 @@ def load_grid(path: str | Path) -> Grid:
         cells=tuple(cells),
         warning_fall_rule=warning_fall_rule,
         warmstart_pin=warmstart_pin,
+        warmstart_digest=warmstart_digest,
     )
 
 

@@ -20,7 +20,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-__all__ = ["PinError", "model_digest", "pin_digest", "pinned_model", "write_pin"]
+__all__ = ["PinError", "check_built", "model_digest", "pin_digest", "pinned_model", "write_pin"]
 
 #: ``<anything>-<16 hex digits>.tar.xz``: the digest a pin's weights must have
 PIN_NAME = re.compile(r"-([0-9a-f]{16})\.tar\.xz$")
@@ -92,6 +92,18 @@ def pinned_model(pin: Path, cache_dir: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
+
+
+def check_built(model_dir: Path, digest: str) -> None:
+    """Refuse a machine whose own build of the warm-start is not the one a grid's runs started from
+    (a grid's ``warmstart_digest``, for a study whose weights were never pinned)."""
+    found = model_digest(model_dir)
+    if found != digest:
+        raise PinError(
+            f"this machine built the warm-start {model_dir} with digest {found}, but the grid's runs started from "
+            f"{digest} (warmstart_digest): the CPU kinds round differently (AVX2 / AVX-512). Run the grid on a "
+            "machine that builds those weights, or move the cells to a grid with a warmstart_pin"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

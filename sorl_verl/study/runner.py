@@ -42,7 +42,7 @@ from typing import Any, TextIO
 
 from sorl_verl.study.grid import DEFAULT_TASK, DEFAULT_WARMSTART, EMBEDDED_TASK, Cell, Grid
 from sorl_verl.study.metrics import Trace, read_trace
-from sorl_verl.study.pinned_warmstart import model_digest, pinned_model
+from sorl_verl.study.pinned_warmstart import check_built, model_digest, pinned_model
 
 DEFAULT_LOCK = "/tmp/sorl-heavy.lock"
 RECORD = "cell.json"
@@ -383,11 +383,16 @@ def cell_state(out: Path, cell: Cell, live: bool = False) -> str:
 
 
 def prepare_inputs(
-    log: TextIO, task: str = DEFAULT_TASK, warmstart: str = DEFAULT_WARMSTART, pin: Path | None = None
+    log: TextIO,
+    task: str = DEFAULT_TASK,
+    warmstart: str = DEFAULT_WARMSTART,
+    pin: Path | None = None,
+    digest: str | None = None,
 ) -> tuple[Inputs, Any]:
     """Build/load the embedded default of ``task`` from ``warmstart`` and start the retrieval server over its
     corpus (call it under the heavy lock). With ``pin`` (the grid's ``warmstart_pin``) the runs load that
-    pinned warm-start instead of this machine's build (:mod:`sorl_verl.study.pinned_warmstart`).
+    pinned warm-start instead of this machine's build (:mod:`sorl_verl.study.pinned_warmstart`); with
+    ``digest`` (the grid's ``warmstart_digest``) a build of other weights is refused.
 
     Returns the inputs and the server (``.stop()`` it when done).
     """
@@ -398,6 +403,8 @@ def prepare_inputs(
     if built.overlay != task:
         raise ValueError(f"embedded default of {task!r} runs the overlay {built.overlay!r}")
     model = built.model
+    if digest is not None:
+        check_built(built.model, digest)
     if pin is not None:
         model = pinned_model(pin, built.model.parent)
         print(f"[study] pinned warm-start {model} (built here: {model_digest(built.model)})", file=log, flush=True)
@@ -472,7 +479,7 @@ def run_grid(
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     if inputs is None:  # first cell to run: embedded default (built on first use) + server
-                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart, grid.warmstart_pin)
+                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart, grid.warmstart_pin, grid.warmstart_digest)
                     print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)

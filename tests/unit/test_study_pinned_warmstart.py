@@ -69,3 +69,17 @@ def test_natural_grid_pins_a_committed_warmstart_and_a_bad_pin_fails_at_load(tmp
     )
     with pytest.raises(GridError, match="warmstart_pin"):
         load_grid(bad)
+
+
+def test_a_build_of_other_weights_is_refused_naming_both_digests(tmp_path):
+    from sorl_verl.study.pinned_warmstart import check_built
+
+    built = _model(tmp_path / "built", 3.0)
+    check_built(built, model_digest(built))
+    with pytest.raises(PinError, match="0123456789abcdef.*warmstart_digest"):
+        check_built(built, "0123456789abcdef")
+
+
+def test_learning_grid_names_the_digest_its_runs_started_from():
+    grid = load_grid(REPO / "recipe/sorl/study/learning.yaml")
+    assert grid.warmstart_digest == "4a317b47011afc65" and grid.warmstart_pin is None
