@@ -29,7 +29,10 @@ Each panel is one metric (the first of its candidate keys that a run logged); th
 validation panel draws each data source of that metric as its own line (colour per split, line
 style per run, its legend beside the panel); a run that never
 logged a panel's metric is named under the panel's title ("not logged: ..."), outside the
-plotting area so it never covers data. Writes a PNG and, with
+plotting area so it never covers data. An ``optional`` panel (the parameter-space clipping-bias norm
+``sorl/clip_bias_grad_norm``, logged by every SORL loss and by ``vanilla_diag``) is drawn only when
+some run logged it. The validation panels mark each collapse-guard restore (a step where
+``sorl/guard/restores`` went up) with a dotted vertical line, named in the panel's title. Writes a PNG and, with
 ``--csv``, the merged series as a long CSV (run, step, metric, value).
 """
 
@@ -59,6 +62,8 @@ class Panel:
     log_y: bool = False
     #: one line per matched key (e.g. per validation split) instead of their mean
     per_key: bool = False
+    #: drawn only when some run logged it
+    optional: bool = False
 
     @property
     def validation(self) -> bool:
@@ -83,7 +88,15 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
         ("val-aux/*/em/mean@*", "val-core/*/acc/mean@*", "val-core/*/reward/mean@*"),
         per_key=True,
     ),
+    Panel(
+        "sorl/clip_bias_grad_norm  ||C(theta)||",
+        ("actor/sorl/clip_bias_grad_norm", "sorl/clip_bias_grad_norm"),
+        optional=True,
+    ),
 )
+
+#: the collapse guard's restore count (sorl_verl.trainer.guard), logged every training step
+GUARD_RESTORES = "sorl/guard/restores"
 
 _CONSOLE_STEP = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan)")
@@ -244,6 +257,34 @@ def _draw_per_key(ax, runs: list[Run], panel: Panel, colours: list[str]) -> list
     return missing
 
 
+def restore_steps(run: Run) -> list[int]:
+    """Steps at which the guard's restore count rose (counted from 0 before the first logged step)."""
+    steps, before = [], 0.0
+    for step, count in sorted(run.series.get(GUARD_RESTORES, {}).items()):
+        if math.isfinite(count) and count > before:
+            steps.append(step)
+        if math.isfinite(count):
+            before = count
+    return steps
+
+
+def _mark_restores(ax, runs: list[Run], colours: list[str], per_key: bool) -> str:
+    """Dotted vertical lines at each run's guard restores (the run's colour; grey in a per-split
+    panel, whose colours are the splits'); returns the title line that names them ('' when none)."""
+    named = []
+    for i, run in enumerate(runs):
+        steps = restore_steps(run)
+        for step in steps:
+            ax.axvline(step, color="0.4" if per_key else colours[i % len(colours)], linestyle=":", linewidth=1.3,
+                       label="_guard restore")  # fmt: skip
+        if steps:
+            where = ", ".join(str(s) for s in steps)
+            named.append(f"at step {where}" if len(runs) == 1 else f"{run.label} at {where}")
+    if not named:
+        return ""
+    return "guard restore (dotted) " + named[0] if len(runs) == 1 else "guard restore (dotted): " + "; ".join(named)
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average over ``window`` points (``window`` <= 1: unchanged)."""
     if window <= 1:
@@ -267,7 +308,7 @@ def draw_runs(runs: list[Run], panels: Iterable[Panel] = DEFAULT_PANELS, window:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    panels = list(panels)
+    panels = [p for p in panels if not p.optional or any(panel_series(run, p) for run in runs)]
     ncols = 4 if len(panels) > 4 else len(panels)
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
@@ -291,9 +332,12 @@ def draw_runs(runs: list[Run], panels: Iterable[Panel] = DEFAULT_PANELS, window:
                 ax.plot(steps, values, linewidth=0.8, alpha=0.25, color=style["color"])
                 ax.plot(steps, smooth(values, window), label=run.label, linewidth=1.6, alpha=0.9, **style)
         title = panel.title + (f" (smoothed, {window} pts)" if window > 1 and not panel.validation else "")
+        restored = _mark_restores(ax, runs, colours, panel.per_key) if panel.validation else ""
+        if restored:
+            title += "\n" + restored
         if missing:
             title += "\nnot logged: " + ", ".join(missing)
-        ax.set_title(title, fontsize=9 if missing else 10)
+        ax.set_title(title, fontsize=9 if missing or restored else 10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

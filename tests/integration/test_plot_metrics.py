@@ -192,7 +192,8 @@ def test_labels_and_legend_do_not_overlap_the_plotted_data():
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         panels = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
-        assert len(panels) == len(plot_metrics.DEFAULT_PANELS)
+        # the optional ||C(theta)|| panel is left out: neither run logged it
+        assert len(panels) == len([p for p in plot_metrics.DEFAULT_PANELS if not p.optional])
         boxes = [ax.get_window_extent(renderer) for ax in panels]
         (legend,) = fig.legends
         labels = [legend.get_window_extent(renderer)] + [ax.title.get_window_extent(renderer) for ax in panels]
@@ -244,3 +245,23 @@ def test_panels_find_the_metric_names_verl_logs_for_the_sorl_loss(tmp_path, monk
     assert found["sorl/norm_factor  Z"][0] == "actor/sorl/norm_factor" and found["sorl/norm_factor  Z"][1][1] > 1.0
     assert found["sorl/clip_bias_norm  ||C||"][0] == "actor/sorl/clip_bias_norm"
     assert found["actor/pg_clipfrac"] == ("actor/pg_clipfrac", {1: 1.0})
+
+
+def test_the_clip_bias_grad_norm_panel_appears_only_when_a_run_logged_it():
+    import matplotlib.pyplot as plt
+
+    (optional,) = [p for p in plot_metrics.DEFAULT_PANELS if p.optional]
+    logged = _collapse_run()
+    for step in range(1, 21):
+        logged.add(step, "actor/sorl/clip_bias_grad_norm", 0.01 * step)
+    for runs, shown in (([_collapse_run()], False), ([_collapse_run(), logged], True)):
+        fig = plot_metrics.draw_runs(runs, plot_metrics.DEFAULT_PANELS)
+        try:
+            titles = [ax.get_title() for ax in fig.axes if ax.axison]
+            assert any(t.startswith(optional.title) for t in titles) is shown
+            if shown:
+                (ax,) = [ax for ax in fig.axes if ax.get_title().startswith(optional.title)]
+                assert ax.get_title().endswith("not logged: collapse")
+                assert [list(ln.get_ydata()) for ln in ax.lines] == [[0.01 * s for s in range(1, 21)]]
+        finally:
+            plt.close(fig)
