@@ -14,7 +14,6 @@ REGISTERED key                  what is written                                 
 ==============================  =====================================================  ======================================
 policy_loss, adv_estimator      ``core_algos`` POLICY_LOSS / ADV_ESTIMATOR registries  here (verl's register decorators)
 optimizer                       nothing: verl imports ``optim.optimizer_impl`` by name  (listed for the doctor)
-optimizer_step_hooks            torch's global optimizer-step pre/post hooks           ``algorithms.optim.install_step_hooks``
 omegaconf_resolver              OmegaConf resolver ``sorl_critic_enable``              ``trainer.config_resolvers``
 trainer                         ``v1.trainer_base.TRAINER_REGISTRY``, after import     here
 verl_fixes                      an attribute of a verl logger (bug fix)                ``trainer.verl_compat.apply_verl_fixes``
@@ -130,15 +129,13 @@ def _register_optimizer() -> dict[str, list[str]]:
     """The update-scaled optimizers verl builds from ``optim.optimizer_impl`` + ``optim.optimizer``.
 
     verl has no optimizer registry: its ``build_optimizer`` imports the module and takes the class
-    by name, so nothing is written into verl here; the names are listed for the doctor. Also
-    torch's global optimizer-step hooks that give verl's own optimizers the same update-scaled
-    step (``optim.install_step_hooks``: ``loss_mode=so_grpo`` on verl's stock config).
+    by name, so nothing is written into verl (or torch) here; the names are listed for the doctor.
+    Only the optimizer built from the actor's ``optim`` section scales its step: no global hook
+    reaches the critic's or any other optimizer of the process.
     """
     from sorl_verl.algorithms import optim
 
-    optim.install_step_hooks()
-    return {"optimizer": [f"{optim.__name__}.{name}" for name in ("AdamW", "Adam", "SGD")],
-            "optimizer_step_hooks": [f"{optim.__name__}.install_step_hooks"]}  # fmt: skip
+    return {"optimizer": [f"{optim.__name__}.{name}" for name in ("AdamW", "Adam", "SGD")]}
 
 
 # --- trainers: the hook that hands critic values to the turn-level GAE ------------------

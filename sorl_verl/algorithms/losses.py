@@ -35,7 +35,7 @@ from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla
 
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, GradientNorms, clip_bias_gradient_norms
 from sorl_verl.algorithms.knobs import GRADIENT_REFERENCES, SORLKnobs, read_knobs
-from sorl_verl.algorithms.optim import publish_normalizer
+from sorl_verl.algorithms.optim import check_step_scaling, publish_normalizer
 from sorl_verl.algorithms.parallel import data_parallel_group
 from sorl_verl.algorithms.surrogate import ClipRange, Surrogate, surrogate
 from sorl_verl.algorithms.turns import segment_runs
@@ -204,6 +204,11 @@ def sorl_policy_loss(
             reference = rel if knobs.clip_norm_reference == "relative" else norm
         z = normalizer(reference, knobs) if active else torch.ones((), dtype=torch.float64, device=norm.device)
         at_update = knobs.clip_norm_apply == "update"
+        if publish and active and at_update:
+            check_step_scaling(config)
+        # this micro-batch's share of the mini-batch loss, its weight in the step factor s (optim.py)
+        loss_share = agg_loss(loss_mat=mask.double(), loss_mask=mask, loss_agg_mode=loss_agg_mode,
+                              **config.global_batch_info) if bool(runs.is_turn.any()) else zero.double()  # fmt: skip
 
     if bool(runs.is_turn.any()):
         pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
@@ -230,14 +235,16 @@ def sorl_policy_loss(
         stats["sorl/triggered"] = (z > 1.0).double()
         stats["sorl/update_scale"] = inv_z if at_update else torch.ones_like(z)
         stats["sorl/loss_scale"] = torch.ones_like(z) if at_update else inv_z
+        stats["loss_share"] = loss_share
         stats["actor/pg_clipfrac"] = terms.upper.sum().to(torch.float32) / token_denominator
         stats["actor/ppo_kl"] = -terms.log_ratio.sum() / token_denominator
         stats["actor/pg_clipfrac_lower"] = terms.lower.sum().to(torch.float32) / token_denominator
         values = torch.stack([v.double().reshape(()).to(norm.device) for v in stats.values()]).tolist()  # one sync
     metrics = dict(zip(stats, values, strict=True))
+    share = metrics.pop("loss_share")
     if publish:
         z_, norm_, rel_ = (metrics[f"sorl/{name}"] for name in ("norm_factor", "clip_bias_norm", "clip_bias_rel"))
-        publish_normalizer(z_, norm_, rel_, acts_on_update=active and at_update)
+        publish_normalizer(z_, norm_, rel_, acts_on_update=active and at_update, share=share)
     return pg_loss, metrics
 
 
@@ -261,6 +268,7 @@ def _sorl_loss(loss_mode: str, turn_level: bool, normalize: bool, doc: str) -> C
 
     loss.__name__ = loss.__qualname__ = f"compute_policy_loss_{loss_mode}"  # the module attribute it is bound to
     loss.__doc__ = doc
+    loss.normalizes = normalize  # type: ignore[attr-defined]
     return loss
 
 
@@ -326,3 +334,5 @@ SORL_LOSSES = {
 }
 #: loss_mode name -> function, registered into verl by :mod:`sorl_verl.plugin`
 POLICY_LOSSES = {**SORL_LOSSES, "vanilla_diag": compute_policy_loss_vanilla_diag}
+#: the SORL losses whose normalizer can act (``turn_ppo``'s Z is 1 by definition)
+NORMALIZING_LOSSES = tuple(name for name, fn in SORL_LOSSES.items() if fn.normalizes)  # type: ignore[attr-defined]

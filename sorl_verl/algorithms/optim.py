@@ -1,40 +1,40 @@
-"""Update-level clipping-triggered normalization: optimizers whose step shrinks by ``1/Z``.
+"""Update-level clipping-triggered normalization: the actor's optimizer step shrinks by ``s``.
 
 Dividing the loss by a normalizer ``Z`` that is constant over a mini-batch barely changes an Adam
 update (Adam divides by the running RMS of the gradient; its first step is sign-like). In
-``clip_norm_apply = update`` mode the SORL loss leaves the loss as it is and publishes ``1/Z_i``
-for each micro-batch ``i`` it computes with gradients on; the optimizer of that worker process
-then takes the step with its learning rate multiplied by
+``clip_norm_apply = update`` mode the SORL loss leaves the loss as it is and publishes, for each
+micro-batch ``i`` it computes with gradients on, ``1/Z_i`` and the micro-batch's share ``w_i`` of
+the mini-batch loss (what verl's ``agg_loss`` with ``global_batch_info`` gives it: tokens /
+``batch_num_tokens`` x ``dp_size`` for ``token-mean``, rows / ``global_batch_size`` x ``dp_size`` for
+the ``seq-mean`` modes). The actor's optimizer then takes the step with its learning rate times
 
-    s = mean over the step's micro-batches (and data-parallel ranks) of 1 / Z_i
+    s = sum_i w_i / Z_i  /  sum_i w_i     (over the step's micro-batches and data-parallel ranks)
 
-and restores the learning rate afterwards. For Adam, AdamW, SGD (with momentum) and every torch
-optimizer whose parameter change is proportional to ``lr``, the whole update of that step -
-weight decay included - is ``s`` times the optimizer's own, while its moment estimates see the
-true gradient. With ``s == 1`` (no clipping, or no SORL loss at all) ``step`` is the optimizer's
-own, bit for bit.
+so a one-row micro-batch of dynamic batching weighs in ``s`` what it weighs in the loss
+(``s = 1`` when no micro-batch has a policy token). The learning rate is restored in a
+``finally`` right after the step, unless something else set it during the step. For Adam, AdamW,
+SGD (with momentum) and every torch optimizer whose parameter change is proportional to ``lr``,
+the whole update of that step - weight decay included - is ``s`` times the optimizer's own, while
+its moment estimates see the true gradient. With ``s == 1`` ``step`` is the optimizer's own, bit
+for bit.
 
-Select it in verl with ``actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim``
-(``optimizer=AdamW`` | ``Adam`` | ``SGD``); verl's ``build_optimizer`` passes
-``override_optimizer_config`` as keyword arguments, so ``update_log`` (a JSON-lines path written
-by global rank 0, one record per step) and ``log_update_norm`` (L2 norm of the parameter change,
-costs one copy of the local parameters) are set there.
+One mechanism, the actor's own optimizer class: verl builds the actor's optimizer (FSDP1 and FSDP2
+engines, ``verl.workers.config.optimizer.build_optimizer``) from
+``actor_rollout_ref.actor.optim.optimizer_impl`` + ``optimizer``, the critic's from ``critic.optim``;
+``optimizer_impl=sorl_verl.algorithms.optim`` (``optimizer=AdamW`` | ``Adam`` | ``SGD``) makes
+exactly the actor's optimizer an :class:`UpdateScaledOptimizer`, and no other optimizer of the
+process (the colocated critic's) is touched. verl's ``build_optimizer`` passes
+``override_optimizer_config`` as keyword arguments, so ``update_log`` (a JSON-lines path written by
+global rank 0, one record per step) and ``log_update_norm`` (L2 norm of the parameter change, costs
+one copy of the local parameters) are set there. Megatron builds its DistributedOptimizer without
+``optimizer_impl`` and computes the loss on the last pipeline stage only, so
+``clip_norm_apply=update`` is refused there (:func:`check_step_scaling`).
 
-The hand-off is this module's: the loss calls :func:`publish_normalizer` once per micro-batch
-with gradients on, and the optimizers and step hooks below read what it recorded; the record
-(:data:`LEDGER`) is per process, and no other module touches it. Records made between
-``zero_grad`` (verl calls it before the micro-batches of a mini-batch, and instead of ``step``
-when the gradient is not finite) and ``step`` belong to that step.
-
-With verl's own optimizer (``optimizer_impl=torch.optim``, verl's stock ``ppo_trainer``): the
-plugin calls :func:`install_step_hooks`, torch's global optimizer-step pre/post hooks, which give
-every other torch optimizer of the process the same step - ``lr * s`` for that step, restored
-after it, nothing touched when ``s == 1`` or nothing was published - so one flag
-(``policy_loss.loss_mode=so_grpo``) works on verl's stock config. The hooks leave an
-:class:`UpdateScaledOptimizer` to its own ``step`` (no double scaling); they write no update log
-(that and ``update_norm`` are the SORL optimizer's). A stock optimizer's ``zero_grad`` does not
-clear the ledger: the micro-batches of a step verl skips for a non-finite gradient count towards
-the next step's ``s``.
+The hand-off is this module's: the loss calls :func:`publish_normalizer` once per micro-batch with
+gradients on, and the update-scaled optimizer reads what it recorded (:data:`LEDGER`, per
+process; no other module touches it). ``zero_grad`` clears the record: verl calls it before the
+micro-batches of a mini-batch and instead of ``step`` when the gradient is not finite, so the
+records of a skipped step are dropped, never inherited.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from sorl_verl.algorithms.knobs import KNOB_PREFIX, read_knobs
+from sorl_verl.algorithms.knobs import _lookup as lookup
 from sorl_verl.algorithms.parallel import data_parallel_group
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
     "SGD",
     "UpdateLedger",
     "UpdateScaledOptimizer",
-    "install_step_hooks",
+    "check_step_scaling",
     "publish_normalizer",
     "update_scaled",
 ]
@@ -69,20 +70,25 @@ __all__ = [
 
 @dataclass
 class UpdateLedger:
-    """What the SORL loss published since the last ``zero_grad``/``step`` of this process."""
+    """What the SORL loss published since the last ``zero_grad``/``step`` of the actor's optimizer."""
 
     inv_z: list[float] = field(default_factory=list)
+    share: list[float] = field(default_factory=list)
     z: list[float] = field(default_factory=list)
     clip_bias_norm: list[float] = field(default_factory=list)
     clip_bias_rel: list[float] = field(default_factory=list)
+    #: live update-scaled optimizers of this process (the readers of the record)
     consumers: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, step_share: float, z: float, clip_bias_norm: float, clip_bias_rel: float) -> None:
-        """Publish one micro-batch: its share of the step factor (``1/Z`` when the normalizer acts
-        on the update, else 1) and, for the record, its ``Z``, ``||C||`` and ``rho``."""
+    def record(
+        self, step_share: float, z: float, clip_bias_norm: float, clip_bias_rel: float, share: float = 1.0
+    ) -> None:
+        """Publish one micro-batch: its factor on the step (``1/Z`` when the normalizer acts on the
+        update, else 1), its share ``w`` of the mini-batch loss, and ``Z``, ``||C||``, ``rho``."""
         with self.lock:
             self.inv_z.append(step_share)
+            self.share.append(share)
             self.z.append(z)
             self.clip_bias_norm.append(clip_bias_norm)
             self.clip_bias_rel.append(clip_bias_rel)
@@ -90,9 +96,9 @@ class UpdateLedger:
     def take(self) -> dict[str, list[float]]:
         """Return and clear the records of the current step."""
         with self.lock:
-            out = {"inv_z": self.inv_z, "z": self.z, "clip_bias_norm": self.clip_bias_norm,
+            out = {"inv_z": self.inv_z, "share": self.share, "z": self.z, "clip_bias_norm": self.clip_bias_norm,
                    "clip_bias_rel": self.clip_bias_rel}  # fmt: skip
-            self.inv_z, self.z, self.clip_bias_norm, self.clip_bias_rel = [], [], [], []
+            self.inv_z, self.share, self.z, self.clip_bias_norm, self.clip_bias_rel = [], [], [], [], []
         return out
 
     def clear(self) -> None:
@@ -100,28 +106,59 @@ class UpdateLedger:
 
 
 #: the process-wide record of the hand-off: written by :func:`publish_normalizer`, read by the
-#: update-scaled optimizers and the step hooks
+#: update-scaled optimizer
 LEDGER = UpdateLedger()
 
 
-def publish_normalizer(z: float, clip_bias_norm: float, clip_bias_rel: float, acts_on_update: bool) -> None:
-    """The SORL loss's hand-off to the step of this process, one call per micro-batch with gradients.
+def publish_normalizer(
+    z: float, clip_bias_norm: float, clip_bias_rel: float, acts_on_update: bool, share: float = 1.0
+) -> None:
+    """The SORL loss's hand-off to the actor's step, one call per micro-batch with gradients.
 
-    Records the step share ``1/Z`` when the normalizer acts on the update (``clip_norm_apply=update``),
-    else ``1``, with ``Z``, ``||C||`` and ``rho`` for the update log. Without a reader in this process
-    (no :class:`UpdateScaledOptimizer`, no :func:`install_step_hooks`) nothing is recorded, and a
-    normalizer that should act on the update raises ``RuntimeError`` naming the fixes.
+    Records the step factor ``1/Z`` when the normalizer acts on the update (``clip_norm_apply=update``),
+    else ``1``, the micro-batch's share of the mini-batch loss (its weight in ``s``), and ``Z``,
+    ``||C||``, ``rho`` for the update log. Without an :class:`UpdateScaledOptimizer` in this process
+    nothing is recorded, and a normalizer that should act on the update raises ``RuntimeError``
+    naming the fixes.
     """
     if LEDGER.consumers == 0:
         if not acts_on_update:
             return
         raise RuntimeError(
-            "sorl_verl: actor_rollout_ref.actor.policy_loss.clip_norm_apply=update needs a step that reads the "
-            "normalizer in this process: the plugin's optimizer-step hooks (installed when verl loads the "
-            "sorl_verl plugin; else call sorl_verl.algorithms.optim.install_step_hooks()), or the SORL optimizer "
-            "(actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim), or use clip_norm_apply=loss"
+            f"sorl_verl: {KNOB_PREFIX}.clip_norm_apply=update scales the step of the actor's optimizer, but this "
+            "process has no update-scaled optimizer: set actor_rollout_ref.actor.optim.optimizer_impl="
+            f"{__name__} (optimizer=AdamW|Adam|SGD; recipe/sorl/config/sorl_trainer.yaml does), or use "
+            f"{KNOB_PREFIX}.clip_norm_apply=loss"
         )
-    LEDGER.record(1.0 / z if acts_on_update else 1.0, z, clip_bias_norm, clip_bias_rel)
+    LEDGER.record(1.0 / z if acts_on_update else 1.0, z, clip_bias_norm, clip_bias_rel, share)
+
+
+def check_step_scaling(actor_config: Any, normalizes: bool = True) -> None:
+    """Refuse an actor config whose ``clip_norm_apply=update`` step no optimizer would take right.
+
+    Checked only where the loss's normalizer acts (``normalizes``, ``clip_norm_mode != none``,
+    ``clip_norm_apply == update``): ``strategy=megatron`` is refused (the loss and its ``Z`` exist on the
+    last pipeline stage only, and Megatron's DistributedOptimizer is not built from ``optimizer_impl``),
+    and so is an ``optim.optimizer_impl`` other than this module's when the config names one. Raises
+    ``ValueError`` naming the setting and the fix. Works on a ``DictConfig`` or verl's ``ActorConfig``.
+    """
+    knobs = read_knobs(actor_config)
+    if not normalizes or knobs.clip_norm_mode == "none" or knobs.clip_norm_apply != "update":
+        return
+    strategy = lookup(actor_config, "strategy")
+    if strategy == "megatron":
+        raise ValueError(
+            f"{KNOB_PREFIX}.clip_norm_apply=update is not supported with actor_rollout_ref.actor.strategy=megatron "
+            "(with pipeline parallel > 1 only the last stage computes the loss and its normalizer, and Megatron's "
+            f"optimizer is not built from optim.optimizer_impl): set {KNOB_PREFIX}.clip_norm_apply=loss"
+        )
+    impl = lookup(lookup(actor_config, "optim"), "optimizer_impl")
+    if impl is not None and impl != __name__:
+        raise ValueError(
+            f"{KNOB_PREFIX}.clip_norm_apply=update scales the step of the actor's update-scaled optimizer, but "
+            f"actor_rollout_ref.actor.optim.optimizer_impl={impl}: set optimizer_impl={__name__} "
+            f"(optimizer=AdamW|Adam|SGD) or {KNOB_PREFIX}.clip_norm_apply=loss"
+        )
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -140,9 +177,15 @@ def _all_reduce_sum(values: list[float], params: list[torch.Tensor]) -> list[flo
 
 
 def _step_factor(records: dict[str, list[float]], params: list[torch.Tensor]) -> float:
-    """``s = sum(1/Z_i) / count`` over this rank's micro-batches and the data-parallel group; 1 if none."""
-    total, count = _all_reduce_sum([math.fsum(records["inv_z"]), float(len(records["inv_z"]))], params)
-    return 1.0 if count == 0 else total / count
+    """``s = sum(w_i / Z_i) / sum(w_i)`` over this rank's micro-batches and the data-parallel group;
+    1 when no micro-batch carries any share of the loss."""
+    weighted = math.fsum(w * inv for w, inv in zip(records["share"], records["inv_z"], strict=True))
+    total, weight = _all_reduce_sum([weighted, math.fsum(records["share"])], params)
+    return 1.0 if weight <= 0.0 else total / weight
+
+
+def _release_consumer() -> None:
+    LEDGER.consumers -= 1
 
 
 class UpdateScaledOptimizer:
@@ -158,6 +201,7 @@ class UpdateScaledOptimizer:
         #: the last step's record (scale, micro-batch Z values, update norm)
         self.last_update: dict[str, Any] = {}
         LEDGER.consumers += 1
+        weakref.finalize(self, _release_consumer)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -167,7 +211,7 @@ class UpdateScaledOptimizer:
         super().zero_grad(set_to_none=set_to_none)
 
     def step_factor(self, records: dict[str, list[float]]) -> float:
-        """``s = sum(1/Z_i) / count`` over this rank's micro-batches and the data-parallel group; 1 if none."""
+        """``s`` of :func:`_step_factor` for this optimizer's step."""
         return _step_factor(records, self._params())
 
     @torch.no_grad()
@@ -180,13 +224,15 @@ class UpdateScaledOptimizer:
             loss = super().step(closure)
         else:
             saved = [group["lr"] for group in self.param_groups]
-            for group in self.param_groups:
-                group["lr"] = group["lr"] * scale
+            scaled = [lr * scale for lr in saved]
+            for group, lr in zip(self.param_groups, scaled, strict=True):
+                group["lr"] = lr
             try:
                 loss = super().step(closure)
-            finally:
-                for group, lr in zip(self.param_groups, saved, strict=True):
-                    group["lr"] = lr
+            finally:  # back to the unscaled lr, unless something set another one during the step
+                for group, lr, mine in zip(self.param_groups, saved, scaled, strict=True):
+                    if group["lr"] == mine:
+                        group["lr"] = lr
         self.num_steps += 1
         record: dict[str, Any] = {"step": self.num_steps, "scale": scale, **records}
         if params:
@@ -214,70 +260,3 @@ def update_scaled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimize
 AdamW = update_scaled(torch.optim.AdamW)
 Adam = update_scaled(torch.optim.Adam)
 SGD = update_scaled(torch.optim.SGD)
-
-
-# --- the same step for any torch optimizer: global step hooks ---------------------------------
-
-#: optimizer -> its learning rates saved by the pre-hook, restored by the post-hook
-_SAVED_LR: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = weakref.WeakKeyDictionary()
-_HOOK_HANDLES: list[Any] = []
-
-
-def _restore_lr(optimizer: torch.optim.Optimizer) -> None:
-    saved = _SAVED_LR.pop(optimizer, None)
-    if saved is not None:
-        for group, lr in zip(optimizer.param_groups, saved, strict=True):
-            group["lr"] = lr
-
-
-def _scale_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Pre-hook: take the ledger and run this step with ``lr * s`` (``s`` as in :class:`UpdateScaledOptimizer`).
-
-    Skipped for an :class:`UpdateScaledOptimizer` (it scales its own step) and when this rank
-    published nothing since the last step (an optimizer no SORL loss fed, e.g. the critic's: no
-    collective, no change). Every rank of an actor runs its loss with gradients before stepping,
-    so the data-parallel all-reduce is entered by all of them or by none.
-    """
-    if isinstance(optimizer, UpdateScaledOptimizer):
-        return
-    _restore_lr(optimizer)  # a previous step that raised left its scaled lr behind
-    records = LEDGER.take()
-    if not records["inv_z"]:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    scale = _step_factor(records, params)
-    if scale == 1.0:
-        return
-    _SAVED_LR[optimizer] = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * scale
-
-
-def _restore_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Post-hook: the learning rates of before the step (a no-op unless the pre-hook scaled them)."""
-    _restore_lr(optimizer)
-
-
-def install_step_hooks() -> bool:
-    """Register the global step hooks once per process (the plugin does); True if this call registered them.
-
-    They count as a consumer of :data:`LEDGER`, so ``clip_norm_apply=update`` works with any torch
-    optimizer verl builds; :func:`uninstall_step_hooks` undoes it (tests).
-    """
-    if _HOOK_HANDLES:
-        return False
-    _HOOK_HANDLES.extend(
-        [register_optimizer_step_pre_hook(_scale_step), register_optimizer_step_post_hook(_restore_step)]
-    )
-    LEDGER.consumers += 1
-    return True
-
-
-def uninstall_step_hooks() -> None:
-    """Remove the hooks :func:`install_step_hooks` registered (and their consumer count)."""
-    if not _HOOK_HANDLES:
-        return
-    for handle in _HOOK_HANDLES:
-        handle.remove()
-    _HOOK_HANDLES.clear()
-    LEDGER.consumers -= 1

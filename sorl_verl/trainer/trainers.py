@@ -41,6 +41,8 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from sorl_verl.agent.metrics import EPISODE_METRICS, episode_metrics
+from sorl_verl.algorithms.losses import NORMALIZING_LOSSES
+from sorl_verl.algorithms.optim import check_step_scaling
 from sorl_verl.trainer.guard import CollapseGuard
 from sorl_verl.trainer.reproducible import ReproducibleRollouts
 from sorl_verl.trainer.values_context import provide_values
@@ -62,6 +64,15 @@ def check_critic_enabled(config: DictConfig) -> None:
             f"(critic.enable={config.critic.get('enable', None)}; verl turns the critic on by itself only "
             "for adv_estimator=gae). Set critic.enable=True."
         )
+
+
+def check_update_step(config: DictConfig) -> None:
+    """Fail at start-up, before any worker is built, where ``clip_norm_apply=update`` has no step to
+    scale right (``strategy=megatron``, or an actor ``optimizer_impl`` other than the SORL optimizer's):
+    :func:`~sorl_verl.algorithms.optim.check_step_scaling` for the actor's SORL loss."""
+    actor = config.actor_rollout_ref.actor
+    loss_mode = str(actor.policy_loss.get("loss_mode", "vanilla"))
+    check_step_scaling(actor, normalizes=loss_mode in NORMALIZING_LOSSES)
 
 
 def fetch_padded_values(keys: list[str], partition_id: str) -> torch.Tensor | None:
@@ -114,6 +125,7 @@ class SORLValuesHook:
 
     def __init__(self, config: DictConfig) -> None:
         check_critic_enabled(config)
+        check_update_step(config)
         # one real search before any worker starts: a dead or wrong retrieval URL stops the run here
         from sorl_verl.agent.retrieval_guard import preflight_from_config
 

@@ -111,9 +111,9 @@ def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
 
 
 def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedded, retrieval, small_overrides):
-    """verl's own ``ppo_trainer`` (its ``sync`` trainer, ``torch.optim.AdamW``) with only the SORL flags:
-    the actor update runs the so_grpo loss and takes the update-scaled step through the plugin's
-    optimizer-step hooks (before them it stopped at the first update: "needs the SORL optimizer").
+    """verl's own ``ppo_trainer`` (its ``sync`` trainer) with only the SORL flags and the actor's SORL
+    optimizer (``optim.optimizer_impl``): the actor update runs the so_grpo loss and takes the
+    update-scaled step (without the optimizer flag it stops at the first update naming it).
 
     The CPU needs the project's platform and task overlays (hf rollout, search_r1, embedded data),
     found through ``hydra.searchpath``; the overlay's ``log_update_norm`` is an option of the SORL
@@ -136,6 +136,7 @@ def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedd
         f"hydra.searchpath=[file://{repo / 'recipe' / 'sorl' / 'config'}]", "+task=search_qa", "+platform=cpu",
         "algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo",
         "actor_rollout_ref.actor.optim.override_optimizer_config=null",
+        "actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim",
         f"data.train_files={paths.parquet['train']}", f"data.val_files={paths.parquet['val']}",
         f"actor_rollout_ref.model.path={model}", f"sorl.agent.retrieval_url={retrieval.retrieve_url}",
         f"trainer.default_local_dir={tmp_path / 'ckpt'}", "trainer.logger=[console,file]",
@@ -154,8 +155,9 @@ def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedd
         ).returncode
     text = log.read_text()
     assert returncode == 0, f"main_ppo exited {returncode}; log {log}:\n" + "\n".join(text.splitlines()[-40:])
-    assert "'trainer_mode': 'sync'" in text and "'optimizer_impl': 'torch.optim'" in text  # verl's own, as composed
+    assert "'trainer_mode': 'sync'" in text  # verl's own trainer, as composed
+    assert "'optimizer_impl': 'sorl_verl.algorithms.optim'" in text
     steps = train_steps([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
     assert sorted(steps) == [1]
     assert_sorl_step_metrics(steps[1])
-    assert not (tmp_path / "ckpt" / "sorl_updates.jsonl").exists()  # no SORL optimizer (it writes that log)
+    assert not (tmp_path / "ckpt" / "sorl_updates.jsonl").exists()  # override_optimizer_config=null: no update log

@@ -1,17 +1,20 @@
-"""One flag on verl's stock config: ``loss_mode=so_grpo`` with verl's own ``ppo_trainer`` and optimizer.
+"""verl's stock config: ``loss_mode=so_grpo`` with verl's own ``ppo_trainer``, plus the actor's optimizer.
 
-verl's hydra config is composed as a user who keeps it would (only the SORL flags and the micro
-batch size verl itself requires), the actor config is built the way verl's workers build it, the
-optimizer by verl's ``build_optimizer`` (``torch.optim.AdamW``), and the loss comes from verl's
-registry. The step of a clipped mini-batch must be the step of AdamW at ``lr / Z`` and the step of
-an on-policy one (``Z = 1``) AdamW's own, both bit for bit (same arithmetic, same float lr).
+verl's hydra config is composed as a user who keeps it would (only the SORL flags, the SORL optimizer
+for the actor and the micro batch size verl itself requires), the actor config is built the way
+verl's workers build it, the optimizer by verl's ``build_optimizer`` (the SORL AdamW from
+``optim.optimizer_impl``), and the loss comes from verl's registry. The step of a clipped mini-batch
+must be the step of AdamW at ``lr / Z`` and the step of an on-policy one (``Z = 1``) AdamW's own,
+both bit for bit (same arithmetic, same float lr). With verl's own ``torch.optim`` and the default
+``clip_norm_apply=update`` the first actor update fails naming the fixes (only the actor's optimizer
+may scale its step; no global hook reaches every optimizer of the process).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import verl  # noqa: F401 - loads the sorl_verl plugin: losses, estimators and the optimizer-step hooks
+import verl  # noqa: F401 - loads the sorl_verl plugin: losses and estimators
 from hydra import compose, initialize_config_module
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
@@ -26,6 +29,8 @@ SORL_FLAGS = {
 }
 #: verl's own ppo_trainer asserts a micro batch size (or dynamic batching) for any loss
 VERL_REQUIRED = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
+#: the actor's optimizer that takes the update-scaled step (clip_norm_apply=update, the default)
+SORL_OPTIMIZER = "actor_rollout_ref.actor.optim.optimizer_impl=sorl_verl.algorithms.optim"
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +70,7 @@ def update(actor, off_policy: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     start, old, advantages, mask = batch(off_policy)
     weights = torch.nn.Parameter(start.clone())
     opt = build_optimizer([weights], actor.optim)
-    assert type(opt) is torch.optim.AdamW  # verl's stock optimizer, not the SORL one
+    assert type(opt) is optim.AdamW  # built by verl from the actor's optim section
     opt.zero_grad()
     loss, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
         old, weights * 1.0, advantages, mask, actor.loss_agg_mode, actor, None
@@ -81,20 +86,22 @@ def adamw_step(actor, start: torch.Tensor, lr: float, off_policy: bool) -> torch
     _, old, advantages, mask = batch(off_policy)
     weights = torch.nn.Parameter(start.clone())
     opt = torch.optim.AdamW([weights], lr=lr, weight_decay=actor.optim.weight_decay, betas=tuple(actor.optim.betas))
+    reader = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # the loss publishes to a live SORL optimizer
     loss, _ = get_policy_loss_fn(actor.policy_loss.loss_mode)(
         old, weights * 1.0, advantages, mask, actor.loss_agg_mode, actor, None
     )
     loss.backward()
     optim.LEDGER.clear()
     opt.step()
+    del reader
     return weights.detach()
 
 
 @pytest.mark.parametrize("name", sorted(SORL_FLAGS))
 def test_the_clipped_update_is_adamws_at_lr_over_z_and_the_on_policy_one_adamws_own(name):
-    actor = stock_actor(SORL_FLAGS[name])
+    actor = stock_actor([*SORL_FLAGS[name], SORL_OPTIMIZER])
     assert actor.policy_loss.loss_mode == name
-    assert (actor.optim.optimizer_impl, actor.optim.optimizer) == ("torch.optim", "AdamW")
+    assert (actor.optim.optimizer_impl, actor.optim.optimizer) == ("sorl_verl.algorithms.optim", "AdamW")
     after, start, metrics = update(actor, off_policy=True)
     z = metrics["sorl/norm_factor"]
     assert z > 1.0  # clipped: the normalizer acts on the step
@@ -104,3 +111,13 @@ def test_the_clipped_update_is_adamws_at_lr_over_z_and_the_on_policy_one_adamws_
     after, start, metrics = update(actor, off_policy=False)
     assert metrics["sorl/norm_factor"] == 1.0
     assert torch.equal(after, adamw_step(actor, start, actor.optim.lr, off_policy=False))
+
+
+@pytest.mark.parametrize("name", sorted(SORL_FLAGS))
+def test_verls_own_optimizer_with_the_update_step_fails_at_the_first_update_naming_the_fixes(name):
+    actor = stock_actor(SORL_FLAGS[name])
+    assert (actor.optim.optimizer_impl, actor.optim.optimizer) == ("torch.optim", "AdamW")
+    start, old, advantages, mask = batch(off_policy=True)
+    weights = torch.nn.Parameter(start.clone())
+    with pytest.raises(ValueError, match="optimizer_impl=sorl_verl.algorithms.optim.*clip_norm_apply=loss"):
+        get_policy_loss_fn(name)(old, weights * 1.0, advantages, mask, actor.loss_agg_mode, actor, None)
