@@ -118,11 +118,17 @@ def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
     return torch.clamp(scaled, min=1.0)
 
 
+#: metric -> how verl must aggregate it over micro-batches and ranks where the mean would be wrong
+#: (``AggregationType`` values; :mod:`sorl_verl.trainer.metric_aggregation` applies them)
+RATIO_EXTREMA = {f"sorl/{unit}_ratio_{end}": end for unit in ("turn", "token") for end in ("max", "min")}
+
+
 def _ratio_metrics(log_ratio: torch.Tensor, valid: torch.Tensor, low: float, high: float, unit: str) -> dict:
     """Mean / max / min of the ratios the loss uses and the fraction outside the trust region.
 
     ``unit`` is ``turn`` (``[B, K]`` turn log-ratios, geometric-mean ratios) or ``token``
-    (``[B, T]`` token log-ratios); an empty micro-batch gives ratios 1 and clip fraction 0.
+    (``[B, T]`` token log-ratios); an empty micro-batch gives ratios 1 and clip fraction 0. The
+    ``_max`` / ``_min`` entries are this micro-batch's; :data:`RATIO_EXTREMA` says how to combine them.
     """
     one = torch.ones((), dtype=torch.float64, device=log_ratio.device)
     if log_ratio.numel() == 0:  # a shape, known on the host

@@ -23,6 +23,9 @@ and these trainers refuse to start without it.
 They carry the collapse guard (:mod:`sorl_verl.trainer.guard`, ``sorl.guard.enable=true``: keep the
 best validation checkpoint, restore it and back off on a collapse).
 
+After the workers are built they give the actor's loss function MAX / MIN aggregation for the ratio
+extrema (:mod:`sorl_verl.trainer.metric_aggregation`).
+
 They also make a run reproducible from its seed (:class:`~sorl_verl.trainer.reproducible.ReproducibleRollouts`):
 prompts get ordered, stable uids instead of random ones, and a sampled batch's rows are trained
 in prompt dispatch order rather than in the order their episodes finished.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import ray
 import torch
 import transfer_queue as tq
 from omegaconf import DictConfig
@@ -44,6 +48,7 @@ from sorl_verl.agent.metrics import EPISODE_METRICS, episode_metrics
 from sorl_verl.algorithms.losses import NORMALIZING_LOSSES
 from sorl_verl.algorithms.optim import check_step_scaling
 from sorl_verl.trainer.guard import CollapseGuard
+from sorl_verl.trainer.metric_aggregation import install_extrema_aggregation
 from sorl_verl.trainer.reproducible import ReproducibleRollouts
 from sorl_verl.trainer.values_context import provide_values
 
@@ -131,6 +136,13 @@ class SORLValuesHook:
 
         preflight_from_config(config)
         super().__init__(config)  # type: ignore[call-arg]
+
+    def on_init_end(self) -> None:
+        """After the workers are built: the actor's loss logs the ratio extrema as MAX / MIN
+        (:mod:`sorl_verl.trainer.metric_aggregation`)."""
+        super().on_init_end()  # type: ignore[misc]
+        workers = self.actor_rollout_wg.workers  # type: ignore[attr-defined]
+        ray.get([w.__ray_call__.remote(install_extrema_aggregation) for w in workers])
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         if not needs_values(self.config):  # type: ignore[attr-defined]
