@@ -14,6 +14,11 @@ mini-batch composition and in which random stream each episode draws from. The S
   that runs it (:mod:`sorl_verl.cpu.seeded_agent_loop` injects it into the sampling params).
 - :func:`ordered_keys` sorts a sampled batch's TransferQueue keys ``{uid}_{session}_{index}`` by
   ``(uid, session, index)``: prompt dispatch order, then sample index, then output index.
+
+A training change as well as a reproducibility one: a GRPO group keeps one uid (its ``n`` samples
+share it, as verl's uuid), but the rows that share a mini-batch change - each mini-batch holds
+whole groups in dispatch order, where verl's finish order mixes groups (docs/algorithms.md, "What
+else the SORL trainers change", with the measured reason).
 """
 
 from __future__ import annotations
