@@ -47,11 +47,20 @@ __all__ = ["VARIABLES", "GpuPlan", "RecipeError", "build_launch", "dry_run_text"
 # --- hydra overrides -----------------------------------------------------------------------------
 
 
+#: checkpoints verl's rotation keeps with ``GUARD=1``; the guard's best snapshot comes on top, so the
+#: disk holds at most ``GUARD_CKPT_TO_KEEP + 1`` checkpoints. Not 2: a restore on a step verl already
+#: saved registers that step twice in verl's rotation list, and with 2 the next save would first
+#: delete that step, the latest checkpoint (docs/guard.md, "What the guard adds")
+GUARD_CKPT_TO_KEEP = 3
+
+
 def guard_overrides(s: Mapping[str, str]) -> list[str]:
     """``GUARD=1``: the collapse guard (docs/guard.md) with the settings of the learning study's guarded
     cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence, and the backoff target of
     :func:`guard_backoff_target`; written out in full so the command shows them and later changes of
-    the config's defaults cannot change a recipe run."""
+    the config's defaults cannot change a recipe run. Then verl's checkpoint rotation bounded to
+    :data:`GUARD_CKPT_TO_KEEP` (every new best and every restore is a checkpoint; without a bound verl
+    keeps them all); those two keys are not part of the run's identity."""
     return [
         "sorl.guard.enable=true",
         "sorl.guard.drop=0.3",
@@ -59,6 +68,8 @@ def guard_overrides(s: Mapping[str, str]) -> list[str]:
         "sorl.guard.backoff=0.5",
         f"sorl.guard.backoff_target={guard_backoff_target(s)}",
         "sorl.guard.max_restores=3",
+        f"trainer.max_actor_ckpt_to_keep={GUARD_CKPT_TO_KEEP}",
+        f"trainer.max_critic_ckpt_to_keep={GUARD_CKPT_TO_KEEP}",
     ]
 
 

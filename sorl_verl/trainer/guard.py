@@ -10,16 +10,23 @@ The rule is :mod:`sorl_verl.trainer.guard_rule`; this module is its glue to verl
   ``_save_checkpoint``, skipped when ``trainer.save_freq`` already saved this step), and its
   files are hard-linked into ``<trainer.default_local_dir>/sorl_guard/best_step_<s>`` so that
   ``max_actor_ckpt_to_keep`` rotation cannot delete it (no extra disk where hard links work;
-  a copy otherwise).
+  a copy otherwise, file by file: :func:`link_or_copy`). The new best enters the guard's state
+  (and ``sorl_guard.json``) only once its snapshot is complete; the previous snapshot is removed
+  after that, so at most one snapshot is kept (two while one is replaced).
 - **Restore**: actor (weights, optimizer, LR scheduler, RNG), critic, and the train dataloader's
   position are loaded from that snapshot; the backed-off scales are applied; the rollout
   replicas get the restored weights (sync: the colocated replicas; colocate_async: same, and
   generation resumes; separate_async: the standalone replicas, and the hybrid ones when lent out);
-  then a checkpoint of the restored state is saved at the current step, so a kill after a
-  restore resumes from it. verl's ``global_steps`` keeps counting (logs stay monotonic).
+  in the asynchronous modes the collapsed policy's queued rows are dropped and its in-flight
+  prompts dropped when they finish (:mod:`sorl_verl.trainer.guard_sampler`), and the prefetch
+  window is refilled with fresh prompts; then a checkpoint of the restored state is saved at the
+  current step, so a kill after a restore resumes from it. verl's ``global_steps`` keeps counting
+  (logs stay monotonic); the LR scheduler is restored with the rest (its position is the best
+  step's: a schedule that decays over ``total_training_steps`` does not reach its last
+  ``current - best`` steps per restore; docs/guard.md).
 - **State**: :class:`~sorl_verl.trainer.guard_rule.GuardState` is written into every checkpoint
   folder as ``sorl_guard.json`` and read back on verl's resume, so restores and scales survive a
-  kill. Events (new best, restore, stop, with reasons and seconds) go to
+  kill; a best snapshot that is missing then falls back to the newest complete one. Events (new best, restore, stop, with reasons and seconds) go to
   ``sorl_guard/events.jsonl``.
 - **Scales**: the learning rate (``state.lr_scale`` x the fault injection's factor of the step)
   and ``clip_norm_tau`` (``state.tau_scale`` x the configured value) are set inside the actor
@@ -35,6 +42,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,6 +50,7 @@ import ray
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from sorl_verl.trainer import guard_sampler
 from sorl_verl.trainer.guard_rule import (
     SECONDS_METRIC,
     Action,
@@ -53,7 +62,9 @@ from sorl_verl.trainer.guard_rule import (
     guard_settings,
     observe_step,
     observe_validation,
+    question_records,
     validation_score,
+    validation_se,
 )
 from sorl_verl.trainer.guard_worker import actor_lr_scale, set_clip_norm_tau
 
@@ -67,6 +78,10 @@ GUARD_DIR = "sorl_guard"
 TAU_LOSSES = ("so_grpo", "so_ppo", "s_ppo")
 #: parts of a verl checkpoint folder the guard keeps and restores (``critic`` is verl's ``str(Role.Critic)``)
 CHECKPOINT_PARTS = ("actor", "critic", "data.pt")
+#: file inside a complete best snapshot: its step, score and standard error (written last)
+SNAPSHOT_FILE = "sorl_guard_best.json"
+#: what a restore loads from a verl checkpoint: ``checkpoint.save_contents`` must hold them all
+RESTORED_CONTENTS = ("model", "optimizer", "extra")
 
 
 class GuardStopped(RuntimeError):
@@ -83,6 +98,33 @@ def check_guard_against_trainer(config: DictConfig, guard: GuardConfig) -> None:
             f"sorl.guard.enable=true needs periodic validation (the best checkpoint is chosen by it), but "
             f"trainer.test_freq={test_freq}; set trainer.test_freq > 0"
         )
+    sections = [("actor_rollout_ref.actor", config.actor_rollout_ref.actor)]
+    critic = config.get("critic", None)
+    if critic is not None and critic.get("enable", None):
+        sections.append(("critic", critic))
+    for name, section in sections:
+        checkpoint = section.get("checkpoint", None) or {}
+        if checkpoint.get("async_save", False):
+            raise ValueError(
+                f"sorl.guard.enable=true links a checkpoint's files right after verl saves them, but "
+                f"{name}.checkpoint.async_save=True may still be writing them; set {name}.checkpoint.async_save=False"
+            )
+        for key in ("save_contents", "load_contents"):
+            contents = checkpoint.get(key, None)
+            missing = [c for c in RESTORED_CONTENTS if contents is not None and c not in contents]
+            if missing:
+                raise ValueError(
+                    f"sorl.guard.enable=true restores weights, optimizer and scheduler/RNG from a checkpoint, but "
+                    f"{name}.checkpoint.{key}={list(contents)} lacks {missing}; set it to {list(RESTORED_CONTENTS)}"
+                )
+    nnodes = int(config.trainer.get("nnodes", 1) or 1)
+    if nnodes > 1 and not guard.shared_storage:
+        raise ValueError(
+            f"sorl.guard.enable=true with trainer.nnodes={nnodes}: the guard links and reads the best snapshot and "
+            f"data.pt on the driver's node only, so trainer.default_local_dir="
+            f"{config.trainer.get('default_local_dir', None)} must be one file system shared by all nodes; if it "
+            "is, set sorl.guard.shared_storage=true, else use a shared path (or sorl.guard.enable=false)"
+        )
     if guard.backoff_target == "clip_norm_tau":
         policy_loss = config.actor_rollout_ref.actor.get("policy_loss", {})
         loss_mode, mode = policy_loss.get("loss_mode", None), policy_loss.get("clip_norm_mode", None)
@@ -94,16 +136,21 @@ def check_guard_against_trainer(config: DictConfig, guard: GuardConfig) -> None:
             )
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard link to the file ``src``, or a copy where the file system refuses links."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def link_tree(src: Path, dst: Path) -> None:
-    """Copy the tree ``src`` to ``dst`` (absent) by hard links, file by file a copy where linking fails."""
+    """Copy the tree ``src`` to ``dst`` (absent) file by file with :func:`link_or_copy`."""
     for root, _dirs, files in os.walk(src):
         target = dst / Path(root).relative_to(src)
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
-            try:
-                os.link(Path(root) / name, target / name)
-            except OSError:
-                shutil.copy2(Path(root) / name, target / name)
+            link_or_copy(Path(root) / name, target / name)
 
 
 def unshare_tree(folder: Path) -> None:
@@ -195,7 +242,12 @@ class CollapseGuard:
             )
         if self.guard_config.backoff_target == "clip_norm_tau":
             tau = float(self.config.actor_rollout_ref.actor.policy_loss.clip_norm_tau) * wanted[1]  # type: ignore[attr-defined]
-            ray.get([w.__ray_call__.remote(set_clip_norm_tau, tau) for w in workers])
+            taus = ray.get([w.__ray_call__.remote(set_clip_norm_tau, tau) for w in workers])
+            if not any(taus):
+                raise RuntimeError(
+                    "sorl.guard.backoff_target=clip_norm_tau: no actor loss with a clip_norm_tau found in the actor "
+                    "workers to set it in"
+                )
         logger.info(
             "sorl.guard: step %s actor lr scale %s (lr %s), tau scale %s", step, wanted[0], lrs[0][:1], wanted[1]
         )
@@ -222,12 +274,25 @@ class CollapseGuard:
             return GuardState()
         state = GuardState.from_dict(json.loads(path.read_text()))
         if state.best_step is not None and not self._best_folder(state.best_step).is_dir():
-            raise FileNotFoundError(
-                f"sorl.guard: the resumed checkpoint {folder} names the best checkpoint of step {state.best_step}, "
-                f"but {self._best_folder(state.best_step)} is missing; restore it or delete {path} to start afresh"
-            )
+            state = self._newest_snapshot_state(state, folder)
         logger.info("sorl.guard: resumed state from %s: %s", path, state)
         return state
+
+    def _newest_snapshot_state(self, state: GuardState, folder: Path) -> GuardState:
+        """``state`` with the best of the newest complete snapshot (one with :data:`SNAPSHOT_FILE`),
+        for a resumed state whose own best snapshot is missing; no best when there is none."""
+        complete = [p for p in self._guard_dir().glob("best_step_*")
+                    if p.name.removeprefix("best_step_").isdigit() and (p / SNAPSHOT_FILE).is_file()]  # fmt: skip
+        complete.sort(key=lambda p: int(json.loads((p / SNAPSHOT_FILE).read_text())["best_step"]))
+        kept = json.loads((complete[-1] / SNAPSHOT_FILE).read_text()) if complete else {}
+        logger.warning(
+            "sorl.guard: the resumed checkpoint %s names the best snapshot of step %s, which is missing; %s",
+            folder, state.best_step,
+            f"falling back to {complete[-1]}" if complete else "no complete snapshot is left: the next validation sets the best",
+        )  # fmt: skip
+        return replace(
+            state, best_step=kept.get("best_step"), best_score=kept.get("best_score"), best_se=kept.get("best_se")
+        )
 
     def on_step_begin(self) -> None:
         super().on_step_begin()  # type: ignore[misc]
@@ -242,6 +307,23 @@ class CollapseGuard:
             write_json(folder / STATE_FILE, self.guard_state.to_dict())
         super()._save_checkpoint()  # type: ignore[misc]
         self._guard_saved_step = step
+
+    def _build_replay_buffer(self) -> Any:
+        buffer = super()._build_replay_buffer()  # type: ignore[misc]
+        if self.guard_active and self.base_trainer_mode != "sync":
+            guard_sampler.install(vars(buffer).get("_buffer", buffer))  # under ReproducibleRollouts' proxy
+        return buffer
+
+    def _val_metrics_update(self, data_sources: Any, sample_uids: Any, reward_extra_infos_dict: dict,
+                            sample_turns: Any, expected_acc_counts: dict | None = None) -> dict[str, float]:  # fmt: skip
+        """verl's validation metrics plus, with the guard on, each source's question count and score
+        variance (:func:`~sorl_verl.trainer.guard_rule.question_records`, rule ``stderr``)."""
+        metrics = super()._val_metrics_update(  # type: ignore[misc]
+            data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=expected_acc_counts
+        )
+        if self.guard_active:
+            metrics.update(question_records(data_sources, sample_uids, reward_extra_infos_dict))
+        return metrics
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps=global_steps, epoch=epoch)  # type: ignore[misc]
@@ -263,7 +345,8 @@ class CollapseGuard:
                 raise ValueError(
                     f"sorl.guard.val_metric={config.val_metric!r} matches no finite validation metric; logged: {names}"
                 )
-            decisions.append(observe_validation(config, self.guard_state, step, score))
+            se = validation_se(metrics, config.val_metric) if config.rule == "stderr" else None
+            decisions.append(observe_validation(config, self.guard_state, step, score, se))
         if config.warning_metric is not None and not (
             decisions and decisions[-1].action in (Action.RESTORE, Action.STOP)
         ):
@@ -278,10 +361,11 @@ class CollapseGuard:
                 )
         collapsed, kind = False, ""
         for decision in decisions:
-            self.guard_state = decision.state
             if decision.action == Action.NEW_BEST:
-                self._keep_best(step)
-            elif decision.action in (Action.RESTORE, Action.STOP):
+                self._keep_best(step, decision.state)  # the state names the new best once its snapshot exists
+                continue
+            self.guard_state = decision.state
+            if decision.action in (Action.RESTORE, Action.STOP):
                 collapsed, kind = True, decision.reason.split(":", 1)[0]
                 if decision.action == Action.STOP:
                     self._stop(decision, metrics, step)
@@ -292,13 +376,14 @@ class CollapseGuard:
             write_json(self._step_folder(step) / STATE_FILE, self.guard_state.to_dict())
         return guard_metrics(config, self.guard_state, collapsed, kind)
 
-    def _keep_best(self, step: int) -> None:
+    def _keep_best(self, step: int, state: GuardState) -> None:
+        """Checkpoint this step (unless saved), snapshot it, and only then make ``state`` (the new best)
+        the guard's: a failed save or link leaves the previous best and the state naming it."""
         start = time.perf_counter()
         saved = self._guard_saved_step == step
         if not saved:
-            self._save_checkpoint()
+            self._save_checkpoint()  # writes the state as it was: the previous best
         best = self._best_folder(step)
-        shutil.rmtree(best, ignore_errors=True)
         tmp = best.with_name(best.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         source = self._step_folder(step)
@@ -307,8 +392,11 @@ class CollapseGuard:
             if (source / part).is_dir():
                 link_tree(source / part, tmp / part)
             elif (source / part).is_file():
-                os.link(source / part, tmp / part)
+                link_or_copy(source / part, tmp / part)
+        write_json(tmp / SNAPSHOT_FILE, {"best_step": step, "best_score": state.best_score, "best_se": state.best_se})
+        shutil.rmtree(best, ignore_errors=True)
         os.replace(tmp, best)
+        self.guard_state = state
         write_json(self._step_folder(step) / STATE_FILE, self.guard_state.to_dict())
         for old in self._guard_dir().glob("best_step_*"):
             if old != best:
@@ -337,10 +425,27 @@ class CollapseGuard:
         self.train_dataloader_it = None
         self._guard_apply(force=True)
         self._resume_rollout()
+        dropped = self._drop_collapsed_rollouts()
         self._save_checkpoint()
         seconds = time.perf_counter() - start
         self._event("restore", reason=reason, restored_step=state.best_step, restores=state.restores,
-                    lr_scale=state.lr_scale, tau_scale=state.tau_scale, seconds=seconds)  # fmt: skip
+                    lr_scale=state.lr_scale, tau_scale=state.tau_scale, seconds=seconds, **dropped)  # fmt: skip
+
+    def _drop_collapsed_rollouts(self) -> dict[str, int]:
+        """Asynchronous modes: drop the collapsed policy's queued and in-flight groups
+        (:func:`~sorl_verl.trainer.guard_sampler.drop_collapsed_rollouts`) and refill the prefetch window
+        with as many fresh prompts, in whole ``gen_batch_size`` fetches (verl's unit of dispatch)."""
+        if self.base_trainer_mode == "sync":
+            return {}
+        cleared, condemned = guard_sampler.drop_collapsed_rollouts(self.replay_buffer)  # type: ignore[attr-defined]
+        data = self.config.data  # type: ignore[attr-defined]
+        gen_batch = int(data.get("gen_batch_size", None) or data.train_batch_size)
+        refill = (cleared + condemned) // gen_batch * gen_batch
+        if refill:
+            self._add_prompts_to_generate(refill)  # type: ignore[attr-defined]
+        logger.warning("sorl.guard: dropped %s queued and %s in-flight prompt groups of the collapsed policy; "
+                       "%s fresh prompts dispatched", cleared, condemned, refill)  # fmt: skip
+        return {"dropped_queued": cleared, "dropped_in_flight": condemned, "refilled": refill}
 
     def _stop(self, decision: Decision, metrics: dict, step: int) -> None:
         state = decision.state

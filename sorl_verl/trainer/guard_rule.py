@@ -3,19 +3,28 @@
 With ``v_j`` the validation score at the ``j``-th validation (the mean of the validation metrics
 that match ``val_metric``, by default verl's ``val-core/<source>/reward/mean@N`` over the data
 sources) and ``b_j = max(v_i : i <= j)`` the best score so far (a validation that sets a new best
-gets a checkpoint), a **collapse** is declared at validation ``j`` when
+gets a checkpoint), validation ``i`` is **low** when ``v_i < b_i - m_i`` with the margin
 
-    v_i < (1 - drop) * b_i   for each of the last ``patience`` validations i = j - patience + 1 .. j
+    rule ``drop`` (default):   m = max(drop * |b|, min_drop)
+    rule ``stderr``:           m = max(stderr_k * sqrt(se(b)^2 + se(v)^2), min_drop)
 
-(consecutive; a validation at or above the line, or a new best, resets the count), or, when a
-``warning_metric`` ``w`` is named, at training step ``t`` when
+``se(v)`` is the standard error of the score, ``sqrt(sum_s var_s / n_s) / S`` over its ``S``
+matched sources, ``n_s`` the source's validation questions and ``var_s`` the variance of their
+per-question scores (``p (1 - p)`` for 0/1 scores: the binomial of results.md's second analysis);
+the trainer logs both per source (:func:`validation_se`). Both margins work for any sign of the
+score; for a positive best and ``min_drop = 0`` the ``drop`` line is ``(1 - drop) * b`` computed
+as before, bit for bit (:func:`collapse_line`). A **collapse** is declared at validation ``j`` when
+each of the last ``patience`` validations is low (consecutive; a validation on or above the line,
+or a new best, resets the count), or, when a ``warning_metric`` ``w`` is named, at training step
+``t`` when
 
     not (w_s <= warning_threshold)   for each of the last ``patience_steps`` steps s = t - patience_steps + 1 .. t
 
-(a non-finite ``w_s`` counts as above the threshold). A collapse before any best exists is not
-acted on (there is nothing to restore). On a collapse the guard restores the best checkpoint and
-multiplies the learning rate (or ``clip_norm_tau``) scale by ``backoff``; after ``max_restores``
-restores the next collapse stops the run. Non-finite validation scores are skipped.
+(a non-finite ``w_s`` counts as above the threshold). A collapse before any best exists, or at the
+step whose validation set the best (it would restore the checkpoint just taken), is not acted on.
+On a collapse the guard restores the best checkpoint and multiplies the learning rate (or
+``clip_norm_tau``) scale by ``backoff``; after ``max_restores`` restores the next collapse stops the
+run. Non-finite validation scores are skipped.
 
 :func:`observe_validation` and :func:`observe_step` are the rule; :class:`GuardState` is all it
 remembers (saved with every checkpoint, so it survives a kill and a resume).
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -34,6 +43,11 @@ from typing import Any
 GUARD_PREFIX = "sorl.guard"
 FAULT_PREFIX = "sorl.fault_injection"
 BACKOFF_TARGETS = ("lr", "clip_norm_tau")
+#: the validation rule's margins (module docstring)
+RULES = ("drop", "stderr")
+#: per-source validation records the trainer adds beside verl's ``val-core/<source>/<var>/...``
+QUESTIONS_METRIC = "val-aux/{source}/{var}/questions"
+QUESTION_VAR_METRIC = "val-aux/{source}/{var}/question_var"
 
 
 def _number(prefix: str, name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
@@ -72,6 +86,10 @@ class GuardConfig:
     backoff: float = 0.5
     backoff_target: str = "lr"
     max_restores: int = 3
+    rule: str = "drop"
+    stderr_k: float = 2.0
+    min_drop: float = 0.0
+    shared_storage: bool = False
 
     def __post_init__(self) -> None:
         p = GUARD_PREFIX
@@ -83,6 +101,11 @@ class GuardConfig:
         _integer(p, "patience_steps", self.patience_steps, 1)
         _number(p, "backoff", self.backoff, 0.0, 1.0, low_open=True, high_open=False)
         _integer(p, "max_restores", self.max_restores, 0)
+        if self.rule not in RULES:
+            raise ValueError(f"{p}.rule={self.rule!r} is invalid: it must be one of {RULES}")
+        _number(p, "stderr_k", self.stderr_k, 0.0, math.inf, low_open=True, high_open=True)
+        _number(p, "min_drop", self.min_drop, 0.0, math.inf, low_open=False, high_open=True)
+        _boolean(p, "shared_storage", self.shared_storage)
         if self.backoff_target not in BACKOFF_TARGETS:
             raise ValueError(
                 f"{p}.backoff_target={self.backoff_target!r} is invalid: it must be one of {BACKOFF_TARGETS}"
@@ -152,6 +175,65 @@ def validation_score(metrics: Mapping[str, Any], pattern: str) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
+def validation_se(metrics: Mapping[str, Any], pattern: str) -> float | None:
+    """Standard error of :func:`validation_score`: ``sqrt(sum_s var_s / n_s) / S`` over the ``S`` finite
+    matched metrics ``val-<sec>/<source>/<var>/<stat>``, from the trainer's ``QUESTIONS_METRIC`` and
+    ``QUESTION_VAR_METRIC`` of that source and variable; ``None`` when nothing matches. A matched
+    metric without its records raises ``ValueError`` naming the rule."""
+    total, count = 0.0, 0
+    for name, value in metrics.items():
+        if not (fnmatch.fnmatchcase(name, pattern) and _is_number(value) and math.isfinite(float(value))):
+            continue
+        parts = name.split("/")
+        source, var = (parts[1], parts[2]) if len(parts) >= 4 else ("?", "?")
+        keys = [QUESTIONS_METRIC.format(source=source, var=var), QUESTION_VAR_METRIC.format(source=source, var=var)]
+        if not all(k in metrics for k in keys):
+            raise ValueError(
+                f"{GUARD_PREFIX}.rule=stderr needs the number of validation questions and their variance for "
+                f"{name!r} ({keys[0]}, logged by the SORL trainers), but they are missing; "
+                f"use {GUARD_PREFIX}.rule=drop or a val_metric of the form val-core/<source>/<var>/<stat>"
+            )
+        n, var = float(metrics[keys[0]]), float(metrics[keys[1]])
+        total += var / n if n > 0 else math.inf
+        count += 1
+    return math.sqrt(total) / count if count else None
+
+
+def question_records(
+    data_sources: Sequence[Any], sample_uids: Sequence[Any], variables: Mapping[str, Sequence[Any]]
+) -> dict[str, float]:
+    """``QUESTIONS_METRIC`` (``n_s``: distinct questions of source ``s``) and ``QUESTION_VAR_METRIC``
+    (``var_s = (1/n_s) sum_q (x_q - mean_s)^2``, ``x_q`` the mean of question ``q``'s samples) for
+    every variable of verl's validation whose values are all finite numbers (one value per sample)."""
+    out: dict[str, float] = {}
+    for var, values in variables.items():
+        values = list(values)
+        if len(values) != len(data_sources) or not all(_is_finite_number(v) for v in values):
+            continue
+        groups: dict[tuple[str, str], list[float]] = {}
+        for source, uid, value in zip(data_sources, sample_uids, values, strict=True):
+            groups.setdefault((str(source), str(uid)), []).append(float(value))
+        per_source: dict[str, list[float]] = {}
+        for (source, _uid), samples in groups.items():
+            per_source.setdefault(source, []).append(math.fsum(samples) / len(samples))
+        for source, means in per_source.items():
+            mean = math.fsum(means) / len(means)
+            out[QUESTIONS_METRIC.format(source=source, var=var)] = float(len(means))
+            spread = math.fsum((x - mean) ** 2 for x in means)
+            out[QUESTION_VAR_METRIC.format(source=source, var=var)] = spread / len(means)
+    return out
+
+
+def _is_finite_number(value: Any) -> bool:
+    """A finite real (Python, numpy or 0-d tensor scalar, bools included); never a string."""
+    if isinstance(value, str | bytes):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
 def _is_number(value: Any) -> bool:
     try:
         float(value)
@@ -185,6 +267,7 @@ class GuardState:
     low_validations: int = 0
     warning_steps: int = 0
     restores: int = 0
+    best_se: float | None = None
     lr_scale: float = 1.0
     tau_scale: float = 1.0
     last_reason: str = ""
@@ -215,6 +298,12 @@ def _collapse(config: GuardConfig, state: GuardState, step: int, kind: str, deta
         return Decision(
             Action.NONE, state, f"{kind} collapse at step {step} ignored: no best checkpoint yet ({detail})"
         )
+    if state.best_step == step:  # the checkpoint just taken is this step's: restoring it undoes nothing
+        return Decision(
+            Action.NONE,
+            replace(state, low_validations=0, warning_steps=0),
+            f"{kind} collapse at step {step} ignored: this step's validation set the new best ({detail})",
+        )
     reason = f"{kind}: {detail}"
     if state.restores >= config.max_restores:
         return Decision(Action.STOP, replace(state, last_reason=reason), reason)
@@ -237,21 +326,45 @@ def _collapse(config: GuardConfig, state: GuardState, step: int, kind: str, deta
     return Decision(Action.RESTORE, restored, reason)
 
 
-def observe_validation(config: GuardConfig, state: GuardState, step: int, score: float) -> Decision:
-    """Apply the validation half of the rule (module docstring) to the score ``score`` of step ``step``."""
+def collapse_line(config: GuardConfig, best: float, best_se: float | None = None, se: float | None = None) -> float:
+    """``b - m`` with the rule's margin ``m`` (module docstring). Rule ``drop`` with a positive best and
+    a margin of ``drop * b`` returns ``(1 - drop) * b`` itself, the line of the study's guarded runs."""
+    if config.rule == "stderr":
+        if best_se is None or se is None:
+            raise ValueError(
+                f"{GUARD_PREFIX}.rule=stderr needs the validation score's standard error (best {best_se}, score {se})"
+            )
+        return best - max(config.stderr_k * math.sqrt(best_se**2 + se**2), config.min_drop)
+    margin = config.drop * abs(best)
+    if best > 0 and margin >= config.min_drop:
+        return (1.0 - config.drop) * best
+    return best - max(margin, config.min_drop)
+
+
+def observe_validation(
+    config: GuardConfig, state: GuardState, step: int, score: float, se: float | None = None
+) -> Decision:
+    """Apply the validation half of the rule (module docstring) to the score ``score`` of step ``step``;
+    ``se``: its standard error (rule ``stderr``)."""
     if not math.isfinite(score):
         return Decision(Action.NONE, state, f"non-finite validation score {score} skipped")
     if state.best_score is None or score > state.best_score:
-        return Decision(Action.NEW_BEST, replace(state, best_score=score, best_step=step, low_validations=0))
-    line = (1.0 - config.drop) * state.best_score
+        best = replace(state, best_score=score, best_step=step, best_se=se, low_validations=0)
+        return Decision(Action.NEW_BEST, best)
+    line = collapse_line(config, state.best_score, state.best_se, se)
     if not score < line:
         return Decision(Action.NONE, replace(state, low_validations=0))
     low = state.low_validations + 1
     state = replace(state, low_validations=low)
     if low < config.patience:
         return Decision(Action.NONE, state)
+    how = (
+        f"best - {config.stderr_k:g} standard errors (min_drop {config.min_drop:g})"
+        if config.rule == "stderr"
+        else f"best - max(drop * |best|, min_drop {config.min_drop:g})"
+    )
     detail = (
-        f"validation score {score:.4g} < (1 - drop) * best = {line:.4g} (best {state.best_score:.4g} at step "
+        f"validation score {score:.4g} < {how} = {line:.4g} (best {state.best_score:.4g} at step "
         f"{state.best_step}) for {low} validation(s), patience {config.patience}"
     )
     return _collapse(config, state, step, "validation", detail)

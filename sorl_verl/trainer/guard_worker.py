@@ -80,18 +80,31 @@ def actor_lr_scale(worker: Any, scale: float) -> list[float]:
 
 
 def _policy_loss_configs(worker: Any) -> list[Any]:
+    """The ``policy_loss`` configs of the actor losses of ``worker``: verl's actor worker holds
+    ``loss_fn = functools.partial(ppo_loss, config=ActorConfig)``. A loss whose config has no
+    ``clip_norm_tau`` (not a SORL loss, or not the partial verl builds) raises ``TypeError``."""
     found = []
     for role in _roles(worker):
         loss_fn = getattr(role, "loss_fn", None)
-        config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
+        if loss_fn is None:
+            continue
+        config = getattr(loss_fn, "keywords", {}).get("config")
         policy_loss = getattr(config, "policy_loss", None)
-        if policy_loss is not None and hasattr(policy_loss, "clip_norm_tau"):
-            found.append(policy_loss)
+        if not hasattr(policy_loss, "clip_norm_tau"):
+            raise TypeError(
+                "sorl.guard.backoff_target=clip_norm_tau: the actor's loss function "
+                f"{getattr(loss_fn, 'func', loss_fn)!r} has no config.policy_loss.clip_norm_tau (policy_loss "
+                f"{type(policy_loss).__name__}, loss_mode={getattr(policy_loss, 'loss_mode', None)}); use a SORL "
+                "loss with a normalizer, or backoff_target=lr"
+            )
+        found.append(policy_loss)
     return found
 
 
 def set_clip_norm_tau(worker: Any, tau: float) -> list[float]:
-    """``__ray_call__`` target: set the actor loss's ``clip_norm_tau`` (a frozen verl config field).
+    """``__ray_call__`` target: set the actor loss's ``clip_norm_tau`` (a frozen verl config field);
+    returns the values set, one per actor loss (empty: the worker holds no loss; the trainer raises
+    when no worker holds one).
 
     ``tau`` is checked by the knobs' one validation (:class:`~sorl_verl.algorithms.knobs.SORLKnobs`)
     before any config changes, so a bad value fails with the same error as at start-up.

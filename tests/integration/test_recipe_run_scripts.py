@@ -158,6 +158,9 @@ def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
     if algo == "gspo":
         assert (built["actor"].clip_ratio_low, built["actor"].clip_ratio_high) == (0.0003, 0.0004)
     assert built["guard"] == STUDY_GUARD and cfg.trainer.test_freq == 50  # GUARD=1, the default
+    # GUARD=1 bounds verl's rotation; verl's checkpoint defaults pass the guard's start-up refusals
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (3, 3)
+    assert built["actor"].checkpoint.async_save is False
 
 
 def test_default_models_and_sizes_on_the_printed_command():

@@ -148,6 +148,9 @@ def test_identity_ignores_bookkeeping_keys_only():
 #: the learning study's guard settings (docs/notes/2026-11-27-guard-in-recipes.md), spelled out here
 STUDY_GUARD = ["sorl.guard.enable=true", "sorl.guard.drop=0.3", "sorl.guard.patience=1", "sorl.guard.backoff=0.5",
                "sorl.guard.backoff_target=lr", "sorl.guard.max_restores=3"]  # fmt: skip
+#: GUARD=1 bounds verl's checkpoint rotation (docs/guard.md, "What the guard adds": at most 4 checkpoints
+#: on disk); the keys name no experiment, so they stay out of the run directory's hash
+GUARD_ROTATION = ["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=3"]
 MAIN = "run_so_grpo_qwen2.5_3b_search.sh"
 
 
@@ -168,7 +171,7 @@ def test_guard_on_by_default_adds_the_study_settings_to_the_experiment(script, e
     books = off.command.index(next(a for a in off.command if a.startswith("trainer.logger=")))
     renamed = [a.replace(off.run.run_dir, on.run.run_dir).replace(off.run.experiment_name, on.run.experiment_name)
                for a in off.command[books:]]  # fmt: skip
-    assert on.command == [*off.command[:books], *STUDY_GUARD, *renamed]
+    assert on.command == [*off.command[:books], *STUDY_GUARD, *GUARD_ROTATION, *renamed]
     assert on.run.identity == [*off.run.identity[:-1], *STUDY_GUARD, "x.y=1"]  # it changes what is trained
     assert on.run.run_dir != off.run.run_dir and on.run.run_dir[:-8] == off.run.run_dir[:-8]
     assert not any("sorl.guard" in a for a in off.command)

@@ -239,3 +239,95 @@ def test_state_round_trips_through_json_and_metrics():
     assert metrics["sorl/guard/restores"] == 1.0 and metrics["sorl/guard/lr_scale"] == 0.5
     assert metrics["sorl/guard/collapse"] == 1.0 and metrics["sorl/guard/reason"] == 1.0
     assert metrics["sorl/guard/best_score"] == 0.6 and metrics["sorl/guard/warning_steps"] == 0.0
+
+
+# ---------------------------------------------------------------- issue 46: the line for any sign, stderr rule
+
+
+@pytest.mark.parametrize(("best", "score", "collapsed"), [
+    (-0.5, -0.6, False),  # 0.1 below a best of -0.5 is less than 0.3 * |best| = 0.15
+    (-0.5, -0.66, True),  # 0.16 below it is more
+    (-0.5, -0.55, False),  # the old line (1 - drop) * best = -0.35 lay above the best and called this one
+    (0.0, -0.2, True),  # best 0: the line is 0 itself (min_drop 0), so a negative score falls
+    (0.0, 0.0, False),
+])  # fmt: skip
+def test_line_works_for_any_sign_of_the_best(best, score, collapsed):
+    config = GuardConfig(enable=True, drop=0.3, patience=1)
+    actions, _ = run_validations(config, [best, score])
+    assert actions[1] == (Action.RESTORE if collapsed else Action.NONE)
+
+
+@given(best=st.floats(1e-6, 1e6), drop=st.floats(0.01, 0.99))
+def test_positive_bests_keep_the_studys_line_bit_for_bit(best, drop):
+    from sorl_verl.trainer.guard_rule import collapse_line
+
+    assert collapse_line(GuardConfig(enable=True, drop=drop), best) == (1.0 - drop) * best
+
+
+def test_min_drop_floors_the_margin():
+    config = GuardConfig(enable=True, drop=0.3, patience=1, min_drop=0.05)
+    assert run_validations(config, [0.0, -0.04])[0][1] == Action.NONE
+    assert run_validations(config, [0.0, -0.06])[0][1] == Action.RESTORE
+    # a small positive best: 0.3 * 0.1 = 0.03 < 0.05, the floor sets the line at 0.05 below
+    assert run_validations(config, [0.1, 0.06])[0][1] == Action.NONE
+    assert run_validations(config, [0.1, 0.04])[0][1] == Action.RESTORE
+
+
+def test_no_collapse_on_the_step_that_set_a_new_best():
+    config = GuardConfig(enable=True, warning_metric="actor/ppo_kl", warning_threshold=0.1, patience_steps=1)
+    state = observe_validation(config, GuardState(), 5, 0.6).state
+    decision = observe_step(config, state, 5, 9.0)
+    assert decision.action == Action.NONE and "new best" in decision.reason
+    assert decision.state.warning_steps == 0 and decision.state.restores == 0
+    assert observe_step(config, decision.state, 6, 9.0).action == Action.RESTORE
+
+
+def se_metrics(source_stats: dict[str, tuple[float, int, float]]) -> dict[str, float]:
+    """verl's per-source validation means plus the guard's per-source question counts and variances."""
+    out = {}
+    for src, (mean, n, var) in source_stats.items():
+        out[f"val-core/{src}/reward/mean@1"] = mean
+        out[f"val-aux/{src}/reward/questions"] = n
+        out[f"val-aux/{src}/reward/question_var"] = var
+    return out
+
+
+def test_validation_standard_error_is_that_of_a_mean_over_sources():
+    from sorl_verl.trainer.guard_rule import validation_se
+
+    # one source, 0/1 scores: var p(1-p), SE sqrt(p(1-p)/n) = sqrt(0.25 * 0.75 / 300) = 0.025
+    metrics = se_metrics({"nq": (0.25, 300, 0.25 * 0.75)})
+    assert validation_se(metrics, GuardConfig().val_metric) == pytest.approx(0.025, rel=1e-12)
+    # two sources averaged: SE = sqrt(var_a/n_a + var_b/n_b) / 2
+    metrics = se_metrics({"a": (0.5, 100, 0.25), "b": (0.1, 25, 0.09)})
+    assert validation_se(metrics, GuardConfig().val_metric) == pytest.approx(math.sqrt(0.0025 + 0.0036) / 2)
+    with pytest.raises(ValueError, match=r"sorl\.guard\.rule=stderr.*val-aux/a/reward/questions"):
+        validation_se({"val-core/a/reward/mean@1": 0.5}, GuardConfig().val_metric)
+
+
+def test_stderr_rule_declares_a_drop_of_more_than_k_standard_errors():
+    config = GuardConfig(enable=True, rule="stderr", stderr_k=2.0, patience=1)
+    n = 300
+    se = lambda p: math.sqrt(p * (1 - p) / n)  # noqa: E731
+    state = observe_validation(config, GuardState(), 10, 0.30, se(0.30)).state
+    assert state.best_se == se(0.30)
+    # 0.25: best - v = 0.05 < 2 * sqrt(0.3*0.7/300 + 0.25*0.75/300) = 0.0729: noise
+    assert observe_validation(config, state, 20, 0.25, se(0.25)).action == Action.NONE
+    # 0.22: 0.08 > 2 * sqrt(0.21/300 + 0.1716/300) = 0.0714: a drop
+    decision = observe_validation(config, state, 20, 0.22, se(0.22))
+    assert decision.action == Action.RESTORE and "standard error" in decision.reason
+    # the same scores on 30 questions are noise (2 SE = 0.226)
+    small = observe_validation(config, GuardState(), 10, 0.30, math.sqrt(0.21 / 30)).state
+    assert observe_validation(config, small, 20, 0.22, math.sqrt(0.1716 / 30)).action == Action.NONE
+    # any sign: rewards in [-1, 0], best -0.2 (SE 0.02), score -0.3 (SE 0.03): 0.1 > 2 * 0.036
+    neg = observe_validation(config, GuardState(), 10, -0.2, 0.02).state
+    assert observe_validation(config, neg, 20, -0.3, 0.03).action == Action.RESTORE
+    assert observe_validation(config, neg, 20, -0.25, 0.03).action == Action.NONE
+    with pytest.raises(ValueError, match="needs the validation score's standard error"):
+        observe_validation(config, neg, 20, -0.3)
+
+
+def test_rule_knobs_fail_naming_them():
+    for knob, value in (("rule", "sigma"), ("stderr_k", 0.0), ("min_drop", -0.1), ("shared_storage", "yes")):
+        with pytest.raises(ValueError, match=rf"sorl\.guard\.{knob}"):
+            guard_settings({"guard": {knob: value}})

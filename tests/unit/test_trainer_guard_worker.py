@@ -5,6 +5,7 @@ clip_norm_tau, the hard-linked best snapshot, and the start-up checks against th
 from __future__ import annotations
 
 import functools
+import shutil
 import types
 
 import pytest
@@ -150,3 +151,79 @@ def test_unit_scale_leaves_the_schedule_bit_for_bit():
     lrs_over(opt, sched, 3)
     scale_learning_rate(opt, sched, 1.0)
     assert lrs_over(opt, sched, 5) == lrs_over(reference_opt, reference_sched, 8)[3:]
+
+
+# ---------------------------------------------------------------- issue 46: refusals, the tau setter on verl's loss
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("actor_rollout_ref.actor.checkpoint.async_save", True, r"actor_rollout_ref\.actor\.checkpoint\.async_save"),
+        ("actor_rollout_ref.actor.checkpoint.save_contents", ["model"], r"actor\.checkpoint\.save_contents.*optimizer"),
+        ("actor_rollout_ref.actor.checkpoint.load_contents", ["model", "optimizer"], r"load_contents.*'extra'"),
+        ("critic.checkpoint.save_contents", ["model", "extra"], r"critic\.checkpoint\.save_contents.*optimizer"),
+        ("trainer.nnodes", 2, r"trainer\.nnodes=2.*sorl\.guard\.shared_storage=true"),
+    ],
+)
+def test_start_up_refuses_what_a_restore_cannot_use(key, value, named):
+    config = trainer_config(**{"critic.enable": True, key: value})
+    with pytest.raises(ValueError, match=named):
+        check_guard_against_trainer(config, GuardConfig(enable=True))
+    check_guard_against_trainer(config, GuardConfig())  # off: no check
+
+
+def test_several_nodes_with_storage_declared_shared_start():
+    config = trainer_config(**{"trainer.nnodes": 4, "trainer.default_local_dir": "/shared/ckpt"})
+    check_guard_against_trainer(config, GuardConfig(enable=True, shared_storage=True))
+    verl_defaults = {"async_save": False, "save_contents": ["model", "optimizer", "extra"]}
+    check_guard_against_trainer(
+        trainer_config(**{"actor_rollout_ref.actor.checkpoint": verl_defaults}), GuardConfig(enable=True)
+    )
+
+
+def test_clip_norm_tau_is_set_in_verls_actor_loss_and_refused_where_it_has_none():
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from sorl_verl.algorithms.config import SORLPolicyLossConfig
+
+    def worker(policy_loss):
+        actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, policy_loss=policy_loss)
+        role = types.SimpleNamespace(loss_fn=functools.partial(ppo_loss, config=actor))  # as verl's actor worker
+        return types.SimpleNamespace(worker_dict={"actor_rollout": role}), actor
+
+    sorl, actor = worker(SORLPolicyLossConfig(loss_mode="so_grpo", clip_norm_tau=0.2))
+    assert set_clip_norm_tau(sorl, 0.05) == [0.05] and actor.policy_loss.clip_norm_tau == 0.05
+    vanilla, _ = worker(PolicyLossConfig(loss_mode="vanilla"))
+    with pytest.raises(TypeError, match=r"clip_norm_tau.*PolicyLossConfig.*loss_mode=vanilla"):
+        set_clip_norm_tau(vanilla, 0.05)
+
+
+@pytest.mark.parametrize(("keep", "latest_survives"), [(2, False), (3, True)])
+def test_rotation_bound_keeps_the_latest_through_a_restore_on_a_saved_step(tmp_path, keep, latest_survives):
+    """verl's own rotation (``BaseCheckpointManager.ensure_checkpoint_capacity`` before a save,
+    ``register_checkpoint`` after it) on the guard's sequence: verl saves step 100, the guard restores
+    at step 100 and saves it again, then verl saves step 150. The recipes' bound (3) must leave step
+    100, the latest, on disk while step 150 is written."""
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    from sorl_verl.cli.recipe_plan import GUARD_CKPT_TO_KEEP
+
+    manager = types.SimpleNamespace(previous_saved_paths=[])
+    manager.remove_previous_save_local_path = lambda paths: [shutil.rmtree(p, ignore_errors=True) for p in paths]
+
+    def save(step, check=None):
+        path = str(tmp_path / f"global_step_{step}" / "actor")
+        BaseCheckpointManager.ensure_checkpoint_capacity(manager, keep)
+        if check:
+            check()
+        (tmp_path / f"global_step_{step}" / "actor").mkdir(parents=True, exist_ok=True)
+        BaseCheckpointManager.register_checkpoint(manager, path, keep)
+
+    for step in (50, 100, 100):  # verl's save of 100, then the guard's restore point at 100
+        save(step)
+    seen = {}
+    save(150, check=lambda: seen.setdefault("latest", (tmp_path / "global_step_100" / "actor").is_dir()))
+    assert seen["latest"] is latest_survives
+    assert GUARD_CKPT_TO_KEEP == 3
