@@ -47,7 +47,7 @@ def missing_engine(overrides: Sequence[str]) -> str | None:
         return None
     return (
         f"{ROLLOUT_NAME_KEY}={engine} needs the Python package {module!r}, which {sys.prefix} does not have "
-        f"(the two commands of the README do not install it): run {fix}"
+        f"(scripts/setup_env.sh, which the demo runs, does not install it): run {fix}"
     )
 
 
