@@ -214,7 +214,7 @@ def _register_agent() -> dict[str, list[str]]:
 
 
 def _register_cpu() -> dict[str, list[str]]:
-    """CPU platform and ``hf`` replica always; FSDP engines for ``cpu`` and verl wrappers only on CPU.
+    """CPU platform and ``hf`` replica always; FSDP engines for ``cpu`` and verl wrappers only with ``VERL_PLATFORM=cpu``.
 
     The platform class comes from its own module (not the ``sorl_verl.cpu.platform`` package, which
     may be the very import that is loading verl, and this plugin, right now).
@@ -225,7 +225,7 @@ def _register_cpu() -> dict[str, list[str]]:
 
     from sorl_verl.cpu.platform.cpu_platform import CPU_PLATFORM_NAMES, PlatformCPU, cpu_platform_selected
 
-    for name in CPU_PLATFORM_NAMES:  # registered last: verl's auto-detection probes it after the accelerators
+    for name in CPU_PLATFORM_NAMES:  # verl's auto-detection probes it last and finds it only with VERL_PLATFORM=cpu
         if PlatformRegistry.get(name) is not PlatformCPU:
             PlatformRegistry.register(platform=name)(PlatformCPU)
 
@@ -242,7 +242,7 @@ def _register_cpu() -> dict[str, list[str]]:
         "RolloutReplicaRegistry": ["hf"],
         "rollout_adapters": ["hf/async"],
     }
-    if cpu_platform_selected():  # never on a machine with an accelerator unless VERL_PLATFORM=cpu
+    if cpu_platform_selected():  # only when asked for (VERL_PLATFORM=cpu), never for a missing accelerator
         from sorl_verl.cpu.engines import register_cpu_engines
         from sorl_verl.cpu.verl_compat import apply_cpu_wrappers, apply_separate_async_wrappers
 

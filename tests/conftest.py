@@ -24,6 +24,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray local-only (loopback) even in tests that start Ray before verl loads the plugin
 # (sorl_verl/cpu/loopback.py sets the same for every process that loads it)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# sorl_verl's CPU platform is chosen only when asked for (VERL_PLATFORM=cpu, as scripts/demo.sh and
+# the e2e launches set it), never for a missing accelerator: the suite asks for it on a machine
+# without one, so in-process verl code (replicas, engines, Ray) runs on it as in a CPU run
+if not os.environ.get("VERL_PLATFORM"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["VERL_PLATFORM"] = "cpu"
 
 # hypothesis' default 200 ms deadline per example is a wall-clock test: on a loaded 2-core CI
 # machine a slow example fails with DeadlineExceeded although the property holds

@@ -47,6 +47,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from sorl_verl.agent.metrics import EPISODE_METRICS, episode_metrics
 from sorl_verl.algorithms.losses import NORMALIZING_LOSSES
 from sorl_verl.algorithms.optim import check_step_scaling
+from sorl_verl.cpu.platform.cpu_platform import check_cpu_device_selected
 from sorl_verl.trainer.guard import CollapseGuard
 from sorl_verl.trainer.metric_aggregation import install_extrema_aggregation
 from sorl_verl.trainer.reproducible import ReproducibleRollouts
@@ -131,6 +132,7 @@ class SORLValuesHook:
     def __init__(self, config: DictConfig) -> None:
         check_critic_enabled(config)
         check_update_step(config)
+        check_cpu_device_selected(config.trainer.get("device", "cuda"))
         # one real search before any worker starts: a dead or wrong retrieval URL stops the run here
         from sorl_verl.agent.retrieval_guard import preflight_from_config
 

@@ -40,15 +40,56 @@ def test_platform_answers():
         pass
 
 
-def test_selection_follows_verl_platform(monkeypatch):
+def test_selection_follows_verl_platform_only(monkeypatch):
+    """CPU mode only when asked for: a process without an accelerator (this one) and without
+    ``VERL_PLATFORM`` is not on the CPU platform (a GPU cluster's CPU-only driver or head node)."""
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    assert cpu_platform_selected()
+    assert cpu_platform_selected() and PlatformCPU().is_platform_available()
     monkeypatch.setenv("VERL_PLATFORM", "nvidia")
     assert not cpu_platform_selected()
     monkeypatch.delenv("VERL_PLATFORM")
-    import torch
+    assert not cpu_platform_selected()
+    assert not PlatformCPU().is_platform_available()  # verl's auto-detection never picks it
 
-    assert cpu_platform_selected() == (not torch.cuda.is_available())
+
+def test_a_process_without_accelerator_and_without_verl_platform_gets_nothing_cpu_specific():
+    """verl's driver on a CPU-only head node: no CPU wrappers or engines, Ray not bound to loopback,
+    verl's own platform choice (its fallback), not the CPU platform."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import json, os, verl, sorl_verl.plugin as plugin
+            from verl.plugin.platform.platform_manager import _detect_platform_name
+            print(json.dumps({"registered": sorted(plugin.REGISTERED), "platform": _detect_platform_name(),
+                              "ray_cluster_env": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}))
+            """
+        )],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "cpu_wrappers" not in out["registered"] and "EngineRegistry" not in out["registered"]
+    assert out["platform"] != "cpu"
+    assert out["ray_cluster_env"] is None
+
+
+def test_the_cpu_overlays_device_without_verl_platform_fails_at_start_up_naming_it(monkeypatch):
+    """``trainer.device=cpu`` (what ``+platform=cpu`` sets) in a process not on the CPU platform would
+    run verl's CUDA paths on a machine without one: the SORL trainers stop before any worker."""
+    from hydra import compose, initialize_config_dir
+
+    from sorl_verl.trainer.trainers import SORLTrainerSync
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    config_dir = str(Path(__file__).resolve().parents[2] / "recipe" / "sorl" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(
+            config_name="sorl_trainer",
+            overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "trainer.device=cpu"],
+        )
+    with pytest.raises(ValueError, match="trainer.device=cpu.*VERL_PLATFORM=cpu"):
+        SORLTrainerSync(config)
 
 
 def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():

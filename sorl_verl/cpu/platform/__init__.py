@@ -1,9 +1,10 @@
 """verl platform for machines without an accelerator: device ``cpu``, collectives over ``gloo``.
 
-Selected by ``VERL_PLATFORM=cpu`` or, when ``VERL_PLATFORM`` is unset, by verl's auto-detection:
-verl probes every registered platform in registration order and this one is registered last and
-claims availability only when no CUDA, ROCm or Ascend device is visible. On a machine with an
-accelerator it is never chosen unless asked for by name.
+Selected only by ``VERL_PLATFORM=cpu`` (every CPU launcher of the project sets it): a process
+without an accelerator and without that variable (a GPU cluster's CPU-only driver or head node)
+keeps verl's own platform choice, no CPU wrappers and a Ray open to the cluster; verl's
+auto-detection never picks this platform. ``trainer.device=cpu`` (the CPU overlay) without it is
+refused at the SORL trainers' start-up (:func:`check_cpu_device_selected`).
 
 Ray scheduling: verl's resource pools ask Ray for one ``GPU`` per worker and check
 ``ray.available_resources()['GPU']``. On CPU the platform keeps Ray's resource name ``GPU`` and
@@ -24,7 +25,15 @@ from sorl_verl.cpu.platform.cpu_platform import (
     CPU_PLATFORM_NAMES,
     PlatformCPU,
     accelerator_present,
+    check_cpu_device_selected,
     cpu_platform_selected,
 )
 
-__all__ = ["CPU_DEVICE_MODULE", "CPU_PLATFORM_NAMES", "PlatformCPU", "accelerator_present", "cpu_platform_selected"]
+__all__ = [
+    "CPU_DEVICE_MODULE",
+    "CPU_PLATFORM_NAMES",
+    "PlatformCPU",
+    "accelerator_present",
+    "check_cpu_device_selected",
+    "cpu_platform_selected",
+]

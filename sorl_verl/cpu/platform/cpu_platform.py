@@ -30,15 +30,24 @@ def accelerator_present() -> bool:
 
 
 def cpu_platform_selected() -> bool:
-    """True when this process runs (or will run) verl on the CPU platform.
-
-    ``VERL_PLATFORM=cpu`` selects it explicitly; any other non-empty value deselects it; unset means
-    auto-detection, which picks it when no accelerator is present.
+    """True when this process runs (or will run) verl on the CPU platform: only when asked for, by
+    ``VERL_PLATFORM=cpu`` (what every CPU launcher sets: scripts/demo.sh, the study runner, the run
+    scripts' ``PLATFORM=cpu``, the e2e tests). Never by the absence of an accelerator: a GPU
+    cluster's CPU-only driver or head node keeps verl's own platform and a Ray open to the cluster.
     """
-    env = os.environ.get("VERL_PLATFORM", "").strip().lower()
-    if env:
-        return env in CPU_PLATFORM_NAMES
-    return not accelerator_present()
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() in CPU_PLATFORM_NAMES
+
+
+def check_cpu_device_selected(device: object) -> None:
+    """Refuse ``trainer.device=cpu`` (what the CPU overlay ``+platform=cpu`` sets) in a process not on
+    the CPU platform: verl would take its CUDA paths without the CPU wrappers. ``ValueError`` naming the fix."""
+    if str(device).strip().lower() == "cpu" and not cpu_platform_selected():
+        raise ValueError(
+            "trainer.device=cpu (the CPU overlay, +platform=cpu) runs only on sorl_verl's CPU platform, which is "
+            "selected by VERL_PLATFORM=cpu in the environment of the launching process (scripts/demo.sh sets it); "
+            f"VERL_PLATFORM is {os.environ.get('VERL_PLATFORM')!r}. Export VERL_PLATFORM=cpu, or drop the CPU "
+            "overlay on a machine with an accelerator"
+        )
 
 
 class _CPUDeviceModule:
@@ -149,7 +158,8 @@ class PlatformCPU(PlatformBase):
         return True
 
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        return not accelerator_present()
+        """Only when asked for (:func:`cpu_platform_selected`): verl's auto-detection never picks it."""
+        return cpu_platform_selected()
 
     def current_device(self) -> str:  # type: ignore[override]
         """``"cpu"``, not ``0``: verl passes this to ``.to(device=...)``, where an int means ``cuda:<int>``."""
