@@ -93,6 +93,30 @@ class Fp32Bounds:
         logit_error = cls.between(max(1.0, logit_scale), cls.transformer_chain(config, seq_len))
         return 2 * logit_error / temperature + cls.between(1.0, config.vocab_size)
 
+    @classmethod
+    def turn_gae(cls, rewards, values, mask, raw_adv, adv) -> tuple[float, float]:
+        """Absolute float32 error bounds of turn-level GAE against a float64 reference: (advantages, returns).
+
+        ``raw_adv`` / ``adv``: the reference's raw and whitened advantages (float64). Raw advantages and
+        returns: per turn a reward sum over <= T tokens, delta (3 roundings), the K-term discounted sum
+        with pow weights (K + 2) and + V: <= T + K + 6 roundings over terms of magnitude
+        S = sum |r| + 2 sum |V at turn starts| of a row (gamma, lam <= 1): e_A = rounding(S, T + K + 6).
+        Whitening over N tokens (first order, s = std of A, a = max |whitened A|): the centred values
+        carry e_c = 2 e_A + (N + 2) u max|A|, the std a relative 2 a e_c / s + (N + 6) u a^2 + u, so
+        |error| <= (e_c / s)(1 + 2 a^2) + (N + 6) u a^3 + 2 u a.
+        """
+        import torch
+
+        m = mask.bool()
+        starts = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0))
+        length, turns, tokens = mask.shape[1], int(starts.sum(-1).max()), int(m.sum())
+        magnitude = (rewards.double().abs().sum(-1) + 2 * (values.double().abs() * starts).sum(-1)).max()
+        e_raw = cls.rounding(float(magnitude), length + turns + 6)
+        std, a = float(raw_adv[m].std()), float(adv[m].abs().max())
+        e_c = 2 * e_raw + cls.rounding(float(raw_adv[m].abs().max()), tokens + 2)
+        e_adv = e_c / std * (1 + 2 * a**2) + cls.rounding(a**3, tokens + 6) + cls.rounding(a, 2)
+        return e_adv, e_raw
+
 
 #: the order the suite runs its tiers in: fast to slow (ARCHITECTURE.md's unit -> integration -> e2e)
 TIERS = ("unit", "integration", "e2e")
