@@ -35,10 +35,6 @@ def micro_batch(seed: int, rows: int = 4, length: int = 16, spread: float = 0.5,
     if nan_outside:
         old = torch.where(mask, old, torch.tensor(float("nan")))
         adv = torch.where(mask, adv, torch.tensor(float("nan")))
-    pieces = []
-    for b in range(rows):
-        pieces += [torch.zeros(PROMPT - 1), new[b, : lengths[b]], torch.zeros(1)]
-    flat = torch.cat(pieces)
     attention = torch.cat([torch.ones(rows, PROMPT, dtype=torch.long), valid.long()], dim=1)
     data = TensorDict(
         {
@@ -51,7 +47,16 @@ def micro_batch(seed: int, rows: int = 4, length: int = 16, spread: float = 0.5,
         },
         batch_size=[rows],
     )
-    return flat, data, torch.where(valid, new, torch.zeros(())), mask
+    return to_flat(new, data), data, torch.where(valid, new, torch.zeros(())), mask
+
+
+def to_flat(padded: torch.Tensor, data: TensorDict) -> torch.Tensor:
+    """A ``[rows, length]`` response tensor as the model's flat output over prompt + response, shifted by
+    one (what verl's ``no_padding_2_padding`` reads back): per row ``PROMPT - 1`` zeros, the response, a zero."""
+    pieces = []
+    for b, n in enumerate(data["attention_mask"][:, PROMPT:].sum(-1).tolist()):
+        pieces += [torch.zeros(PROMPT - 1), padded[b, :n], torch.zeros(1)]
+    return torch.cat(pieces)
 
 
 def set_global_info(data: TensorDict, batch_num_tokens: int, global_batch_size: int) -> None:
@@ -122,3 +127,69 @@ def test_triggered_is_the_fraction_of_micro_batches_after_verl_aggregation():
             collected.setdefault(key, metric.init_list()).extend(metric)
     assert collected["sorl/triggered"].aggregate() == pytest.approx(0.5)
     assert collected["sorl/norm_factor"].aggregate() > 1.0
+
+
+ENTROPY_COEFF, KL_COEF, LR = 0.05, 0.1, 1.0
+
+
+def sgd_step(apply: str, mode: str, entropy: bool, kl: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One step of the update-scaled SGD (no momentum: the change is ``-lr * s * grad``) on the loss verl's
+    ``ppo_loss`` builds for a heavily clipped so_grpo micro-batch: its log-probs are the parameter ``theta``,
+    with ``entropy`` its token entropies the parameter ``phi`` (``calculate_entropy``, ``entropy_coeff > 0``),
+    with ``kl`` verl's KL loss to ``ref_log_prob``. Returns the changes of theta and phi, and ``Z``."""
+    flat, data, _, mask = micro_batch(seed=5, spread=2.0)
+    set_global_info(data, int(mask.sum()), len(mask))
+    gen = torch.Generator().manual_seed(6)
+    data["ref_log_prob"] = data["old_log_probs"] + 0.3 * torch.randn(data["old_log_probs"].shape, generator=gen)
+    theta = torch.nn.Parameter(flat.clone())
+    phi = torch.nn.Parameter(to_flat(2 * torch.rand(mask.shape, generator=gen), data))
+    config = ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=4, loss_agg_mode="token-mean",
+        calculate_entropy=entropy, entropy_coeff=ENTROPY_COEFF if entropy else 0.0,
+        use_kl_loss=kl, kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl",
+        policy_loss=SORLPolicyLossConfig(loss_mode="so_grpo", clip_norm_apply=apply, clip_norm_mode=mode),
+    )  # fmt: skip
+    opt = optim.SGD([theta, phi], lr=LR)
+    opt.zero_grad()
+    output = {"log_probs": theta * 1.0, **({"entropy": phi * 1.0} if entropy else {})}
+    loss, metrics = ppo_loss(config, output, data)
+    assert ("actor/entropy_loss" in metrics) == entropy and ("kl_loss" in metrics) == kl
+    loss.backward()
+    theta0, phi0 = theta.detach().clone(), phi.detach().clone()
+    opt.step()
+    return theta.detach() - theta0, phi.detach() - phi0, metrics["sorl/norm_factor"].aggregate()
+
+
+def assert_scaled(changed: torch.Tensor, plain: torch.Tensor, factor: float, fp32) -> None:
+    """``changed == factor * plain`` elementwise, up to the float32 roundings of taking the steps and their
+    differences (parameters of magnitude <= 5: a few roundings of that size each). The term must move the
+    parameters far more than that, so that a factor 1 and a factor 1/Z (Z > 1.5) cannot both pass."""
+    atol = fp32.rounding(5.0, 8)
+    assert plain.abs().max() > 100 * atol, "the term must move the parameters"
+    torch.testing.assert_close(changed, factor * plain, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("apply", ["update", "loss"])
+def test_entropy_and_kl_loss_terms_under_each_apply_mode(apply, fp32):
+    """``calculate_entropy=True`` with ``entropy_coeff > 0`` and ``use_kl_loss`` through verl's ``ppo_loss``.
+
+    The policy-gradient term shrinks by ``1/Z`` in both modes. ``clip_norm_apply=loss`` divides only
+    ``pg_loss`` (SORL-SPEC: "Final loss pg_loss / Z"), so the entropy bonus and the KL loss move the
+    parameters as without normalization; ``update`` scales the whole optimizer step (docs/algorithms.md,
+    "Where Z acts": what shrinks is the actor's optimizer step), so they shrink by ``1/Z`` too. Each term's
+    share of the step is isolated against twins without it and without normalization (``mode=none``)."""
+    steps = {
+        (mode, entropy, kl): sgd_step(apply, mode, entropy, kl)
+        for mode in ("max", "none") for entropy, kl in ((False, False), (True, False), (True, True))
+    }  # fmt: skip
+    z = steps["max", False, False][2]
+    assert z > 1.5 and steps["none", False, False][2] == 1.0
+    others = 1.0 / z if apply == "update" else 1.0  # the factor on the entropy and KL terms
+    # the policy-gradient term (theta without entropy and KL), both modes: 1/Z
+    assert_scaled(steps["max", False, False][0], steps["none", False, False][0], 1.0 / z, fp32)
+    # the entropy term: phi is moved by it alone
+    assert_scaled(steps["max", True, False][1], steps["none", True, False][1], others, fp32)
+    # the KL term: what adding it changes in theta's step
+    kl_on = steps["max", True, True][0] - steps["max", True, False][0]
+    kl_off = steps["none", True, True][0] - steps["none", True, False][0]
+    assert_scaled(kl_on, kl_off, others, fp32)

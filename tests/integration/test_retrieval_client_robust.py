@@ -87,6 +87,28 @@ def test_parse_result_accepts_or_raises_retrieval_error(body: Any) -> None:
             assert isinstance(hit["contents"], str) and set(hit) == {"id", "contents", "score"}
 
 
+@st.composite
+def well_formed_hit(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A hit as a Search-R1 server writes it (``{"document": {...}, "score": s}``) or bare (``{"id",
+    "contents", "score"}``), extra keys included; with the ``{"id", "contents", "score"}`` it must parse to
+    (``contents`` "" and ``score`` None where absent)."""
+    fields = {"id": st.text(max_size=5) | st.integers(), "contents": st.text(max_size=20), "title": st.text(max_size=5)}
+    doc = draw(st.fixed_dictionaries({}, optional=fields))
+    score = draw(st.none() | st.integers() | st.floats(allow_nan=False))
+    item = {"document": doc} if draw(st.booleans()) else dict(doc)
+    if score is not None or draw(st.booleans()):
+        item["score"] = score
+    return item, {"id": doc.get("id"), "contents": doc.get("contents", ""), "score": score}
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(well_formed_hit(), max_size=3), min_size=1, max_size=3))
+def test_parse_result_accepts_every_well_formed_answer(rows: list[list[tuple[dict, dict]]]) -> None:
+    """Both dialects parse, hit for hit: a parser that rejects (or retries) a good answer fails here."""
+    body = {"result": [[item for item, _ in row] for row in rows]}
+    assert parse_result(body, len(rows), "http://x/retrieve") == [[hit for _, hit in row] for row in rows]
+
+
 @pytest.mark.parametrize(
     ("status", "content_type", "payload"),
     [

@@ -8,17 +8,20 @@ buffer's logic is verl's, the store is not).
 
 The stand-in has verl's hook names and checkpoint layout (``global_step_<n>/{actor,data.pt}``,
 ``latest_checkpointed_iteration.txt``); its "actor worker" holds a real torch AdamW with verl's
-constant LR schedule, reached the way the guard reaches a Ray worker (``__ray_call__``)."""
+constant LR schedule, reached the way the guard reaches a Ray worker (``__ray_call__``); its checkpoint
+managers are verl's ``CheckpointEngineManager`` autospecced, so a method verl does not have raises."""
 
 from __future__ import annotations
 
 import json
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.trainer.ppo.v1 import replay_buffer as verl_replay_buffer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
@@ -111,12 +114,16 @@ class Handle:
         self.__ray_call__ = types.SimpleNamespace(remote=lambda fn, *args: fn(worker, *args))
 
 
-class Recorder:
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
-
-    def __getattr__(self, method):
-        return lambda *args, **kwargs: self.log.append((self.name, method, *args))
+def checkpoint_manager(log: list, name: str) -> mock.NonCallableMagicMock:
+    """verl 0.9.1's ``CheckpointEngineManager`` autospecced (``spec_set``): a method verl's class lacks, or a
+    call its signature refuses, raises; each call of its public methods is logged as ``(name, method, *args)``."""
+    fake = mock.create_autospec(CheckpointEngineManager, instance=True, spec_set=True)
+    for method, member in vars(CheckpointEngineManager).items():
+        if callable(member) and not method.startswith("_"):
+            getattr(fake, method).side_effect = lambda *args, _method=method, **kwargs: log.append(
+                (name, _method, *args)
+            )
+    return fake
 
 
 class FakeTrainer:
@@ -153,8 +160,8 @@ class FakeTrainer:
         self.actor_rollout_wg = ActorGroup()
         self.train_dataloader = Loader()
         self.train_dataloader_it = object()
-        self.checkpoint_manager = Recorder(self.calls, "replicas")
-        self.standalone_checkpoint_manager = Recorder(self.calls, "standalone")
+        self.checkpoint_manager = checkpoint_manager(self.calls, "replicas")
+        self.standalone_checkpoint_manager = checkpoint_manager(self.calls, "standalone")
         self.global_steps = 0
         self.replay_buffer = self._build_replay_buffer()
 
