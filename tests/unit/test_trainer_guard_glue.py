@@ -30,6 +30,7 @@ from verl.utils.torch_functional import get_constant_schedule_with_warmup
 from sorl_verl.trainer import guard as guard_module
 from sorl_verl.trainer.guard import CollapseGuard, GuardStopped
 from sorl_verl.trainer.guard_sampler import drop_collapsed_rollouts, install
+from sorl_verl.trainer.reproducible import DispatchOrderedSampler
 
 LR = 1e-3
 VAL = "val-core/src/reward/mean@1"
@@ -166,8 +167,9 @@ class FakeTrainer:
         self.replay_buffer = self._build_replay_buffer()
 
     def _build_replay_buffer(self):
-        """verl's real async replay buffer (over the in-memory TransferQueue stand-in) in the async modes."""
-        return None if self.base_trainer_mode == "sync" else buffer()
+        """verl's real async replay buffer (over the in-memory TransferQueue stand-in) in the async modes,
+        behind the SORL trainers' own proxy (``ReproducibleRollouts``)."""
+        return None if self.base_trainer_mode == "sync" else DispatchOrderedSampler(buffer())
 
     def _add_prompts_to_generate(self, num_prompts):
         self.calls.append(("trainer", "add_prompts", num_prompts))
