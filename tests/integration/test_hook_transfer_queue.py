@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # Ray + TransferQueue start-up: ~40 s on 2 cores
 
 @pytest.fixture(scope="module")
 def tq():
-    ray = pytest.importorskip("ray")
+    import ray  # a declared dependency: a missing or broken Ray fails here, never skips
     import transfer_queue
     from omegaconf import OmegaConf
 

@@ -15,16 +15,15 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numba  # noqa: F401 - a declared dependency: a missing or broken numba fails here, never skips
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("numba")
-
-from sorl_verl.retrieval import bm25_kernel  # noqa: E402
-from sorl_verl.retrieval.bm25 import DEFAULT_PARAMS, BM25Scorer  # noqa: E402
-from sorl_verl.retrieval.build import build_index  # noqa: E402
+from sorl_verl.retrieval import bm25_kernel
+from sorl_verl.retrieval.bm25 import DEFAULT_PARAMS, BM25Scorer
+from sorl_verl.retrieval.build import build_index
 
 # (theta sample, "short list" length, exhaustive-path threshold): small values force every path
 SETTINGS = [(8, 40, 0), (512, 10**6, 0), (3, 0, 0), (64, 300, 200), (512, 65536, 8192)]
