@@ -224,8 +224,11 @@ def test_a_caller_waits_for_the_build_that_holds_the_lock_then_reuses_it(built) 
     assert result["paths"].model_dir == built.model_dir
 
 
-def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, capsys) -> None:
-    """Runs last: it leaves a model built with a different SFT budget behind."""
+def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, capsys, tmp_path) -> None:
+    """The rebuild runs on a copy of the built root, so the module's build stays as it was (any test
+    order)."""
+    import shutil
+
     stamps = {d: (d / ".stamp.json").read_text() for d in (built.index_dir, built.tokenizer_dir, built.model_dir)}
     capsys.readouterr()
     again = ensure_embedded_default(built.root, config=SMALL, progress=False)
@@ -233,7 +236,10 @@ def test_second_call_reuses_and_a_changed_parameter_rebuilds_downstream(built, c
     assert {d: (d / ".stamp.json").read_text() for d in stamps} == stamps
     assert again.model_dir == built.model_dir
     # a different SFT budget rebuilds only the model step
+    copy = shutil.copytree(built.root, tmp_path / "copy")
     changed = EmbeddedConfig(**{**SMALL.__dict__, "sft": SFTConfig(steps=2, batch_size=4, warmup_steps=1)})
-    ensure_embedded_default(built.root, config=changed, progress=False)
+    rebuilt = ensure_embedded_default(copy, config=changed, progress=False)
     out = capsys.readouterr().err
     assert "building model" in out and "building tokenizer" not in out and "building index" not in out
+    assert (rebuilt.model_dir / ".stamp.json").read_text() != stamps[built.model_dir]
+    assert {d: (d / ".stamp.json").read_text() for d in stamps} == stamps, "the module's build is untouched"
