@@ -10,7 +10,10 @@ tokens; :attr:`~sorl_verl.algorithms.surrogate.Surrogate.removed`) and::
 The product runs through the graph that produced ``log_prob`` (``torch.autograd.grad`` with
 ``retain_graph``, before verl's own backward) with respect to its leaves: the tensors autograd
 would accumulate ``.grad`` into, i.e. the actor's parameters as the forward used them (FSDP2's
-unsharded parameters). ``.grad`` is not touched. Norms (float64)::
+unsharded parameters). ``.grad`` is not touched, and no set of gradients is materialised: a hook on
+each leaf reduces its gradient to a float64 squared norm as autograd produces it and hands back a
+stride-0 zero, so the product adds at most one leaf's gradient (for scope ``global`` one all-reduce
+buffer of it) to the backward's own memory. Norms (float64)::
 
     scope = micro_batch: q = ||C_r||                      (this rank's micro-batch)
     scope = global:      q = ||mean over the data-parallel group of C_r||   (the ranks' C averaged as
@@ -24,7 +27,9 @@ takes the product on the same micro-batches: the skip when nothing is clipped an
 with one all-reduce. Gradient checkpointing must be non-reentrant, and flash-attn's cross-entropy
 with ``inplace_backward`` (it overwrites what a second backward reads; verl uses it on GPUs unless it
 computes the entropy) cannot be differentiated twice: the gradient reference then fails with the fix,
-the diagnostic is left out with one warning.
+the diagnostic is left out with one warning. The same holds, by strategy, for torch FSDP1 (seen in the
+graph: its leaves are ``FlatParameter``s) and Megatron (seen in the actor config): see
+:mod:`sorl_verl.algorithms.strategies`.
 """
 
 from __future__ import annotations
@@ -39,8 +44,16 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sorl_verl.algorithms.parallel import data_parallel_group
+from sorl_verl.algorithms.strategies import FSDP1, diagnostic_off_reason, gradient_reference_refusal
 
-__all__ = ["DIAGNOSTIC", "GradientNorms", "SecondBackwardUnsafe", "clip_bias_gradient_norms", "graph_leaves"]
+__all__ = [
+    "DIAGNOSTIC",
+    "GradientNorms",
+    "SecondBackwardUnsafe",
+    "clip_bias_gradient_norms",
+    "graph_leaves",
+    "is_fsdp1_graph",
+]
 
 
 class SecondBackwardUnsafe(RuntimeError):
@@ -89,14 +102,20 @@ def graph_leaves(output: torch.Tensor) -> list[torch.Tensor]:
 
 def _all_ranks_any(flag: bool, device: torch.device) -> bool:
     """``flag`` or-ed over the data-parallel group (one all-reduce when it has several ranks)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    group = data_parallel_group()
-    if dist.get_world_size(group) == 1:
+    group = _reduction_group("global")
+    if group is None:
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item() > 0)
+
+
+def _reduction_group(scope: str) -> Any:
+    """The data-parallel group for ``scope == "global"`` when it has several ranks, else None."""
+    if scope != "global" or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = data_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def _local_tensor(g: torch.Tensor) -> torch.Tensor:
@@ -105,35 +124,81 @@ def _local_tensor(g: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else g
 
 
-def _norm(grads: list[torch.Tensor], scope: str) -> torch.Tensor:
-    """``||g||_2`` in float64 over all leaves; averaged over the data-parallel group first if ``global``."""
-    grads = [_local_tensor(g) for g in grads]
-    device = grads[0].device
-    if scope == "global" and dist.is_available() and dist.is_initialized():
-        group = data_parallel_group()
-        size = dist.get_world_size(group)
-        if size > 1:
-            dtype = torch.promote_types(grads[0].dtype, torch.float32)  # bf16 gradients are summed in float32
-            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            return torch.linalg.vector_norm(flat, dtype=torch.float64) / size
-    squares = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
-    return torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64, device=device)
+def is_fsdp1_graph(leaves: list[torch.Tensor]) -> bool:
+    """Whether the graph's leaves are FSDP1 ``FlatParameter``s (``FullyShardedDataParallel``, either
+    ``use_orig_params``): torch marks them ``_is_flat_param``, which is what its own isinstance check reads."""
+    return any(getattr(leaf, "_is_flat_param", False) for leaf in leaves)
+
+
+class _SquaredNorms:
+    """Leaf hooks that reduce each gradient to its float64 squared norm as autograd produces it.
+
+    Each hook hands autograd back a stride-0 zero in place of the gradient, so the product holds one
+    leaf's gradient at a time, never the set. With a ``group`` (scope global) each leaf's gradient is
+    first summed over the group by one all-reduce (float32 or wider), its leaf index riding along in
+    the same buffer: every rank must reduce the same leaves in the same order (the same graph gives
+    the same backward order), which :meth:`total` checks.
+    """
+
+    def __init__(self, leaves: list[torch.Tensor], group: Any) -> None:
+        self.group = group
+        self.squares: list[torch.Tensor] = []
+        self.order: list[int] = []  # this rank's leaf indices, in the order it reduced them
+        self.index_sums: list[torch.Tensor] = []  # the group's sums of those indices
+        self.handles = [leaf.register_hook(self._hook(i)) for i, leaf in enumerate(leaves)]
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def reduce(grad: torch.Tensor) -> torch.Tensor:
+            g = _local_tensor(grad)
+            if self.group is not None:
+                buffer = torch.empty(g.numel() + 1, dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
+                buffer[0] = index
+                buffer[1:] = g.reshape(-1)
+                dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+                self.order.append(index)
+                self.index_sums.append(buffer[0].detach().clone())
+                g = buffer[1:]
+            self.squares.append(torch.linalg.vector_norm(g, dtype=torch.float64).square())
+            if type(grad) is torch.Tensor:
+                return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            return grad  # a tensor subclass (DTensor) keeps its own gradient
+
+        return reduce
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def total(self, device: torch.device) -> torch.Tensor:
+        """``sqrt(sum of the squares)``, divided by the group's size when summed over it (the mean's norm)."""
+        if not self.squares:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        norm = torch.stack(self.squares).sum().sqrt()
+        if self.group is None:
+            return norm
+        size = dist.get_world_size(self.group)
+        got = torch.stack(self.index_sums).double().cpu()
+        if not torch.equal(got, torch.tensor(self.order, dtype=torch.float64) * size):
+            raise RuntimeError(
+                "sorl_verl: the ranks of the data-parallel group reduced C(theta)'s parameters in different "
+                f"orders (this rank {self.order}, index sums {got.tolist()}); their autograd graphs differ"
+            )
+        return norm / size
 
 
 def _vjp_norm(log_prob: torch.Tensor, cotangent: torch.Tensor, leaves: list[torch.Tensor], scope: str) -> torch.Tensor:
-    """``||sum_t cotangent[t] grad log_prob[t]||`` by one backward that keeps the graph (``.grad`` untouched)."""
-    # verl calls the loss inside autocast; its own backward runs outside it, and so does this one
-    with torch.autocast(device_type=log_prob.device.type, enabled=False):
-        grads = torch.autograd.grad(
-            log_prob,
-            leaves,
-            grad_outputs=cotangent.to(log_prob.dtype),
-            retain_graph=True,
-            allow_unused=True,
-            materialize_grads=True,
-        )
-    return _norm(list(grads), scope)
+    """``||sum_t cotangent[t] grad log_prob[t]||`` by one backward that keeps the graph (``.grad`` untouched),
+    each leaf's gradient reduced to its squared norm as it is produced (:class:`_SquaredNorms`)."""
+    norms = _SquaredNorms(leaves, _reduction_group(scope))
+    try:
+        # verl calls the loss inside autocast; its own backward runs outside it, and so does this one
+        with torch.autocast(device_type=log_prob.device.type, enabled=False):
+            torch.autograd.grad(
+                log_prob, leaves, grad_outputs=cotangent.to(log_prob.dtype), retain_graph=True, allow_unused=True
+            )
+    finally:
+        norms.remove()
+    return norms.total(log_prob.device)
 
 
 @dataclass(frozen=True)
@@ -149,24 +214,40 @@ class GradientNorms:
 _WARNED: set[str] = set()
 
 
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _unsafe_strategy(leaves: list[torch.Tensor], strategy: Any) -> str | None:
+    """The strategy under which this graph's C(theta) cannot be taken: FSDP1 is seen in the graph (its
+    flat parameters), Megatron in the actor config (its kernels are not torch's); None where it can."""
+    if is_fsdp1_graph(leaves):
+        return FSDP1
+    return "megatron" if str(strategy) == "megatron" else None
+
+
 def clip_bias_gradient_norms(
     log_prob: torch.Tensor,
     removed: torch.Tensor,
     unclipped: Callable[[], torch.Tensor] | None,
     scope: str,
     strict: bool = True,
+    strategy: Any = None,
+    reference: str = "gradient",
 ) -> GradientNorms | None:
     """``||C(theta)||`` (and the relative form when ``unclipped`` gives ``dl_u/dd``) for cotangent ``removed = delta``.
 
-    ``log_prob`` must carry the actor's graph. Every rank of the data-parallel group must call this
-    on the same micro-batches (module docstring). Costs one backward (two for the relative form),
-    none when ``delta = 0`` on every rank. A graph that cannot be differentiated twice raises
-    :class:`SecondBackwardUnsafe` if ``strict``, else gives None (one warning per process).
+    ``log_prob`` must carry the actor's graph; ``strategy`` is the actor's (``config.strategy``).
+    Every rank of the data-parallel group must call this on the same micro-batches (module
+    docstring). Costs one backward (two for the relative form), none when ``delta = 0`` on every
+    rank. A graph that cannot be differentiated twice, or a strategy that cannot take the product
+    (:mod:`~sorl_verl.algorithms.strategies`: FSDP1, Megatron), raises :class:`SecondBackwardUnsafe`
+    naming the fix if ``strict`` (``clip_norm_reference``), else gives None with one warning per
+    process (the diagnostic).
     """
     zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
-    local_any = bool(torch.count_nonzero(removed) > 0)
-    if not _all_ranks_any(local_any, log_prob.device):
-        return GradientNorms(zero, zero if unclipped is not None else None, False)
     try:
         leaves = graph_leaves(log_prob)
         if not leaves:  # log_prob requires grad, so its graph has leaves: none found is a walk gone wrong
@@ -174,13 +255,20 @@ def clip_bias_gradient_norms(
                 f"sorl_verl: found no parameter in the autograd graph of log_prob (torch {torch.__version__}), "
                 "so C(theta) cannot be taken; please report it with your torch version"
             )
+        unsafe = _unsafe_strategy(leaves, strategy)
+        if unsafe is not None:
+            if strict:
+                raise SecondBackwardUnsafe(gradient_reference_refusal(unsafe, reference))
+            _warn_once(diagnostic_off_reason(unsafe))
+            return None
     except SecondBackwardUnsafe as exc:
         if strict:
             raise
-        if str(exc) not in _WARNED:
-            _WARNED.add(str(exc))
-            warnings.warn(f"{exc}; sorl/clip_bias_grad_norm is not logged", RuntimeWarning, stacklevel=2)
+        _warn_once(f"{exc}; sorl/clip_bias_grad_norm is not logged")
         return None
+    local_any = bool(torch.count_nonzero(removed) > 0)
+    if not _all_ranks_any(local_any, log_prob.device):
+        return GradientNorms(zero, zero if unclipped is not None else None, False)
     norm = _vjp_norm(log_prob, removed, leaves, scope)
     rel = None
     if unclipped is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from verl.workers.config import PolicyLossConfig
 
-from sorl_verl.algorithms.knobs import SORLKnobs, check_rejection_sampling
+from sorl_verl.algorithms.knobs import GRADIENT_REFERENCES, SORLKnobs, check_rejection_sampling
+from sorl_verl.algorithms.strategies import check_gradient_reference_strategy
 
 
 @dataclass
@@ -28,10 +29,16 @@ class SORLPolicyLossConfig(PolicyLossConfig, SORLKnobs):
 
     ``rollout_rs`` mirrors ``algorithm.rollout_correction.rollout_rs`` (``sorl_trainer.yaml``
     interpolates it) so that token-level rejection sampling with a turn-level loss fails at start-up.
+    ``actor_strategy`` mirrors ``actor_rollout_ref.actor.strategy`` the same way, so that a gradient
+    reference under a strategy that cannot take C(theta) (FSDP1, Megatron) fails at start-up, in
+    verl's driver before Ray starts (:mod:`sorl_verl.algorithms.strategies`); without the mirror (verl's
+    stock config) the loss refuses it at its first call.
     """
 
     rollout_rs: str | None = None
+    actor_strategy: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # along the MRO: verl's config classes (none define one in 0.9), then SORLKnobs'
         check_rejection_sampling(self.loss_mode, self.rollout_rs)
+        check_gradient_reference_strategy(self.actor_strategy, self.clip_norm_reference, GRADIENT_REFERENCES)

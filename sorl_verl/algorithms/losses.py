@@ -71,18 +71,59 @@ def clip_bias_stats(
 
 def aggregation_weights(
     mask: torch.Tensor, loss_agg_mode: str, config: Any, dtype: torch.dtype, rollout_is_weights: torch.Tensor | None
-) -> torch.Tensor:
-    """``G = dl/dL`` per token: verl's ``agg_loss`` (with ``global_batch_info``) is linear in ``L``, so
-    its gradient at a zero probe is exactly the weight the loss gives each token, times
-    ``rollout_is_weights`` as the loss applies them; 0 where ``m = 0``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, sum of G)``: ``G = dl/dL`` per token. verl's ``agg_loss`` (with ``global_batch_info``) is
+    linear in ``L``, so its gradient at a zero probe is exactly the weight the loss gives each token;
+    ``G`` is then multiplied by ``rollout_is_weights`` as the loss applies them, 0 where ``m = 0``; the
+    sum (the micro-batch's aggregation mass, float64) is taken before that."""
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     probe = torch.zeros(mask.shape, dtype=dtype, device=mask.device, requires_grad=True)
     with torch.enable_grad():
         aggregated = agg_loss(loss_mat=probe, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
         (weights,) = torch.autograd.grad(aggregated, probe, allow_unused=True, materialize_grads=True)
+    weights = torch.where(mask, weights, zero)
+    mass = weights.sum(dtype=torch.float64)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.to(dtype)
-    return torch.where(mask, weights, zero)
+    return weights, mass
+
+
+def whole_batch_mass(loss_agg_mode: str, batch_info: dict, horizon: int) -> float | None:
+    """``W = (1/dp) * sum of G`` over the whole mini-batch (all micro-batches, all ranks; FSDP averages
+    the ranks' gradients) from verl's ``global_batch_info``: 1 for token-mean and seq-mean-token-mean,
+    ``N`` for token-sum, ``N / B`` for seq-mean-token-sum (``/ loss_scale_factor`` for -norm, by default
+    this micro-batch's ``horizon``). None without the global counts: the micro-batch is its own whole."""
+    tokens, rows = batch_info.get("batch_num_tokens"), batch_info.get("global_batch_size")
+    if loss_agg_mode == "token-mean":
+        return None if tokens is None else 1.0
+    if loss_agg_mode == "token-sum":
+        return None if tokens is None else float(tokens)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return None if rows is None else 1.0
+    if tokens is None or rows is None:
+        return None
+    mass = float(tokens) / float(rows)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        mass /= float(batch_info.get("loss_scale_factor") or horizon)
+    return mass
+
+
+def whole_batch_scale(mass: torch.Tensor, loss_agg_mode: str, config: Any, horizon: int, scope: str) -> torch.Tensor:
+    """``k = W / w``: scales a micro-batch's ``C`` (its share of the globally aggregated loss) back to a
+    whole mini-batch's, so that ``q`` does not depend on how the mini-batch is split over micro-batches
+    and ranks. ``w`` = this micro-batch's aggregation mass ``sum of G``, averaged over the data-parallel
+    group for scope ``global`` (whose ``C`` is the ranks' mean); 1 where ``W`` is unknown or ``w = 0``."""
+    whole = whole_batch_mass(loss_agg_mode, dict(config.global_batch_info), horizon)
+    if scope == "global" and dist.is_available() and dist.is_initialized():
+        group = data_parallel_group()
+        if dist.get_world_size(group) > 1:
+            mass = mass.clone()
+            dist.all_reduce(mass, op=dist.ReduceOp.SUM, group=group)
+            mass = mass / dist.get_world_size(group)
+    one = torch.ones((), dtype=torch.float64, device=mass.device)
+    if whole is None:
+        return one
+    return torch.where(mass > 0, whole / torch.where(mass > 0, mass, 1.0), one)
 
 
 def clip_bias_gradient(
@@ -93,19 +134,29 @@ def clip_bias_gradient(
     config: Any,
     rollout_is_weights: torch.Tensor | None,
     scope: str,
-    relative: bool,
-    strict: bool,
+    reference: str | None,
 ) -> GradientNorms | None:
-    """``||C(theta)||`` (and ``/ ||grad l_u||`` if ``relative``) of one micro-batch; ``terms`` built with
-    ``directions=True``. A micro-batch without policy tokens contributes ``delta = 0``. None where the
-    graph cannot be differentiated twice and not ``strict`` (the diagnostic)."""
+    """``||C(theta)||`` (and ``/ ||grad l_u||`` for ``gradient_relative``) of one micro-batch, scaled to a
+    whole mini-batch's (:func:`whole_batch_scale`); ``terms`` built with ``directions=True``. A micro-batch
+    without policy tokens contributes ``delta = 0``. ``reference`` is the gradient reference that drives
+    ``Z`` (it raises where the product cannot be taken); None for the diagnostic, which then gives None
+    with one warning (:func:`~sorl_verl.algorithms.clip_bias_grad.clip_bias_gradient_norms`)."""
     dtype = terms.update_sq.dtype
     if bool(mask.any()):
-        weights = aggregation_weights(mask, loss_agg_mode, config, dtype, rollout_is_weights)
+        weights, mass = aggregation_weights(mask, loss_agg_mode, config, dtype, rollout_is_weights)
     else:  # no token: no weights to take (0/0), and delta = 0
         weights = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    unclipped = (lambda: terms.unclipped(weights)) if relative else None
-    return clip_bias_gradient_norms(log_prob, terms.removed(weights), unclipped, scope, strict)
+        mass = torch.zeros((), dtype=torch.float64, device=mask.device)
+    unclipped = (lambda: terms.unclipped(weights)) if reference == "gradient_relative" else None
+    strategy = getattr(config, "strategy", None)
+    norms = clip_bias_gradient_norms(
+        log_prob, terms.removed(weights), unclipped, scope, strict=reference is not None, strategy=strategy,
+        reference=reference or "gradient",
+    )  # fmt: skip
+    if norms is None or not norms.computed:
+        return norms
+    scale = whole_batch_scale(mass, loss_agg_mode, config, mask.shape[-1], scope)
+    return GradientNorms(norms.norm * scale.to(norms.norm.device), norms.rel, True)
 
 
 def normalizer(norm: torch.Tensor, knobs: SORLKnobs) -> torch.Tensor:
@@ -182,7 +233,6 @@ def sorl_policy_loss(
     )
     grad_norms = None
     if take_gradient:
-        relative = by_gradient and knobs.clip_norm_reference == "gradient_relative"
         grad_norms = clip_bias_gradient(
             terms,
             log_prob,
@@ -191,8 +241,7 @@ def sorl_policy_loss(
             config,
             rollout_is_weights,
             knobs.clip_norm_scope,
-            relative,
-            strict=by_gradient,
+            knobs.clip_norm_reference if by_gradient else None,
         )
     pg_losses = terms.pg_losses
     zero = torch.zeros((), dtype=pg_losses.dtype, device=pg_losses.device)
@@ -324,7 +373,7 @@ def compute_policy_loss_vanilla_diag(
         with torch.no_grad():
             terms = surrogate(old_log_prob, log_prob.detach(), advantages, mask, None, clip, directions=True)
         grad_norms = clip_bias_gradient(
-            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, False, False
+            terms, log_prob, mask, loss_agg_mode, config, rollout_is_weights, knobs.clip_norm_scope, None
         )
         if grad_norms is not None:
             metrics = {**metrics, "sorl/clip_bias_grad_norm": float(grad_norms.norm)}

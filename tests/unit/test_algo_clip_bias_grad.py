@@ -79,7 +79,7 @@ def config(reference: str = "gradient", tau: float = 1e-3, batch_info: dict | No
     policy_loss = SORLPolicyLossConfig(
         clip_norm_reference=reference, clip_norm_tau=tau, clip_norm_apply=knobs.pop("apply", "loss"), **knobs
     )
-    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=policy_loss)
+    cfg = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=1, policy_loss=policy_loss)
     cfg.global_batch_info.update(batch_info or {})
     return cfg
 
@@ -139,18 +139,27 @@ def explicit_norms(model, ids, old, adv, mask, turn_level, mode, batch_info, wei
     return float(c.norm()), float(c.norm() / grad_u.norm())
 
 
-BATCH_INFOS = [{}, {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9}]
+def copies_batch_info(mask: torch.Tensor, copies: int, dp_size: int) -> dict:
+    """verl's ``global_batch_info`` for a mini-batch of ``copies`` identical copies of this micro-batch
+    spread over ``dp_size`` ranks (``{}``, verl's local aggregation, for a single copy)."""
+    if copies == 1:
+        return {}
+    rows = int((mask.sum(-1) > 0).sum())
+    return {"dp_size": dp_size, "batch_num_tokens": copies * int(mask.sum()), "global_batch_size": copies * rows}
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("loss_mode,turn_level", [("so_grpo", True), ("s_ppo", False)])
-@pytest.mark.parametrize("batch_info", BATCH_INFOS, ids=["local", "global_batch_info"])
-def test_gradient_reference_equals_explicit_per_token_gradients(mode, loss_mode, turn_level, batch_info):
+@pytest.mark.parametrize("copies", [1, 4], ids=["local", "one_of_4_copies_on_2_ranks"])
+def test_gradient_reference_equals_explicit_per_token_gradients(mode, loss_mode, turn_level, copies):
+    """q is ||C(theta)|| of the whole mini-batch: with verl's global aggregation a micro-batch that is one
+    of 4 identical parts (2 ranks x 2 micro-batches) gives the q of the 4 copies taken as one batch."""
     model, ids, old, adv, mask = problem(seed=3)
-    want_norm, want_rel = explicit_norms(model, ids, old, adv, mask, turn_level, mode, batch_info)
+    whole = [torch.cat([t] * copies) for t in (ids, old, adv, mask)]
+    want_norm, want_rel = explicit_norms(model, *whole, turn_level, mode, {})
     assert want_norm > 0
     for reference in ("gradient", "gradient_relative"):
-        cfg = config(reference, tau=1e-3, batch_info=batch_info)
+        cfg = config(reference, tau=1e-3, batch_info=copies_batch_info(mask, copies, dp_size=2))
         _, metrics = get_policy_loss_fn(loss_mode)(old, model(ids), adv, mask, mode, cfg)
         # float64 throughout: a few roundings of sums of O(100) terms of size O(1)
         assert metrics["sorl/clip_bias_grad_norm"] == pytest.approx(want_norm, rel=1e-10)
@@ -382,3 +391,51 @@ def test_a_graph_that_cannot_be_differentiated_twice_fails_the_reference_and_ski
         )
     assert "sorl/clip_bias_grad_norm" not in metrics
     loss.backward()  # the run goes on
+
+
+def test_the_product_holds_one_leaf_gradient_at_a_time_not_the_set():
+    """Each leaf's gradient of the extra backward is reduced to its norm and dropped as it is produced:
+    when a leaf's gradient arrives, no earlier leaf's gradient of the same pass is still alive."""
+    import weakref
+
+    model, ids, old, adv, mask = problem(seed=41)
+    produced: list[weakref.ref] = []
+    alive_before: list[int] = []
+
+    def observe(grad: torch.Tensor) -> None:  # registered first: runs before the product's own hook
+        alive_before.append(sum(ref() is not None for ref in produced))
+        produced.append(weakref.ref(grad))
+
+    handles = [p.register_hook(observe) for p in model.parameters()]
+    try:
+        _, metrics = get_policy_loss_fn("so_grpo")(old, model(ids), adv, mask, "token-mean", config())
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert metrics["sorl/clip_bias_grad_norm"] > 0
+    assert len(alive_before) == len(list(model.parameters()))
+    assert max(alive_before) == 0
+
+
+def test_megatron_refuses_the_gradient_reference_and_leaves_the_diagnostic_out_with_one_warning():
+    """Megatron's kernels are not torch's (vocab_parallel_cross_entropy's in-place backward): the actor
+    config's strategy decides, the graph cannot; the step itself is left as it is."""
+    from sorl_verl.algorithms import clip_bias_grad
+
+    model, ids, old, adv, mask = problem(seed=43)
+    megatron = config()
+    object.__setattr__(megatron, "strategy", "megatron")  # verl's McoreActorConfig needs Megatron installed
+    with pytest.raises(SecondBackwardUnsafe, match="strategy=fsdp2") as err:
+        get_policy_loss_fn("so_grpo")(old, model(ids), adv, mask, "token-mean", megatron)
+    assert "actor_rollout_ref.actor.strategy=megatron" in str(err.value)
+    base, _ = grads_of_step(model, ids, old, adv, mask, config("relative", tau=0.2))
+    diag = config("relative", tau=0.2)
+    object.__setattr__(diag, "strategy", "megatron")
+    clip_bias_grad._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="strategy=megatron") as caught:
+        for _ in range(2):
+            DIAGNOSTIC.due = True
+            got, metrics = grads_of_step(model, ids, old, adv, mask, diag)
+            assert "sorl/clip_bias_grad_norm" not in metrics
+    assert sum("clip_bias_grad_norm is off" in str(w.message) for w in caught) == 1
+    assert all(torch.equal(a, b) for a, b in zip(base, got, strict=True))
