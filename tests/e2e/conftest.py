@@ -206,12 +206,18 @@ def main_ppo(embedded, retrieval):
     return run
 
 
-SO_GRPO = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
+#: SO-PPO with every model verl can place on the CPU worker: actor, critic and the KL loss's reference model
+SO_PPO = [
+    "algorithm.adv_estimator=so_ppo",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=so_ppo",
+    "critic.enable=True",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+]
 
 
 @dataclass(frozen=True)
 class GuardedRun:
-    """The forced-collapse SO-GRPO scenario (see :func:`guarded_so_grpo`), run once per session.
+    """The forced-collapse SO-PPO scenario (see :func:`guarded_so_ppo`), run once per session.
 
     ``first``: the run SIGKILLed after step 5, with ``first_prompts`` (step -> its sorted prompts) as
     it dumped them and ``first_ckpt``, a copy of its checkpoint folder as it left it; ``resumed``:
@@ -244,17 +250,20 @@ def dumped_prompts(rollouts: Path, step: int) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def guarded_so_grpo(tmp_path_factory, main_ppo) -> GuardedRun:
-    """One SO-GRPO run (sync trainer, small sizes, 24 greedy validation questions every 2 steps, verl's
-    own checkpoint every 4 steps) at lr 1e-5 with ``sorl.fault_injection`` raising the learning rate
-    10^4-fold on steps 3 and 4, the collapse guard on (drop 0.3, patience 1, backoff 0.5, one restore);
-    SIGKILLed after step 5, then resumed by verl to step 6.
+def guarded_so_ppo(tmp_path_factory, main_ppo) -> GuardedRun:
+    """One SO-PPO run with a critic and the KL loss (sync trainer, small sizes, 24 greedy validation
+    questions every 2 steps, verl's own checkpoint every 4 steps) at the CPU platform's lr 1e-4 with
+    ``sorl.fault_injection`` raising the actor's learning rate 10^3-fold (to 0.1) on steps 3 and 4, the
+    collapse guard on (drop 0.3, patience 1, backoff 0.5, one restore); SIGKILLed after step 5, then
+    resumed by verl to step 6.
 
-    Shared by two tests that read the same records: the guard test (restore, kill, resume) and the
-    SO-GRPO step test (SORL metrics of the clean steps 1-2 and of the resumed steps, resume from the
-    latest checkpoint), which needed two launches of its own before (about 3 minutes of CI).
+    Shared by three tests that read the same records, each of which launched main_ppo itself before:
+    the guard test (restore of actor and critic, kill, resume), the step test (SORL metrics of the clean
+    steps 1-2 and of the resumed steps, resume from the latest checkpoint) and the SO-PPO test (critic
+    values reach the turn-level GAE, the reference model's KL loss), whose 2-step run at lr 1e-4 is this
+    run's steps 1-2.
     """
-    lr, fault, backoff = 1e-5, 1e4, 0.5
+    lr, fault, backoff = 1e-4, 1e3, 0.5
     guard = [
         f"actor_rollout_ref.actor.optim.lr={lr}",
         "data.val_max_samples=24",
@@ -270,7 +279,7 @@ def guarded_so_grpo(tmp_path_factory, main_ppo) -> GuardedRun:
         "sorl.fault_injection.from_step=3",
         "sorl.fault_injection.until_step=5",
     ]
-    root = tmp_path_factory.mktemp("guarded_so_grpo")
+    root = tmp_path_factory.mktemp("guarded_so_ppo")
     rollouts = root / "rollouts"
 
     def after_step_5(records: list[dict]) -> bool:
@@ -278,9 +287,9 @@ def guarded_so_grpo(tmp_path_factory, main_ppo) -> GuardedRun:
         return done and (rollouts / "5.jsonl").exists() and len(dumped_prompts(rollouts, 5)) == 8  # 4 prompts x 2
 
     dump = f"trainer.rollout_data_dir={rollouts}"
-    first = main_ppo(root, SO_GRPO, [*guard, dump, "trainer.total_training_steps=8", "trainer.resume_mode=disable"],
+    first = main_ppo(root, SO_PPO, [*guard, dump, "trainer.total_training_steps=8", "trainer.resume_mode=disable"],
                      kill_when=after_step_5)  # fmt: skip
     first_prompts = {s: dumped_prompts(rollouts, s) for s in range(1, 6) if (rollouts / f"{s}.jsonl").exists()}
     first_ckpt = shutil.copytree(root / "ckpt", root / "ckpt_after_kill", symlinks=True)  # ~15 MB per step
-    resumed = main_ppo(root, SO_GRPO, [*guard, dump, "trainer.total_training_steps=6", "trainer.resume_mode=auto"])
+    resumed = main_ppo(root, SO_PPO, [*guard, dump, "trainer.total_training_steps=6", "trainer.resume_mode=auto"])
     return GuardedRun(root, first, first_prompts, first_ckpt, resumed, lr=lr, fault=fault, backoff=backoff)

@@ -1,15 +1,16 @@
 """The collapse guard in verl's ``main_ppo`` on CPU: a forced collapse is caught, the best checkpoint
 comes back bit for bit, and the restore survives a kill and verl's resume.
 
-One SO-GRPO run (sync trainer, 24 greedy validation questions every 2 steps, verl's own checkpoint
-every 4 steps) at lr 1e-5 with ``sorl.fault_injection`` raising the learning rate 10^4-fold on steps
-3 and 4 (lr 0.1: Adam's first steps at that size wreck the tiny model). Validation at step 2 is the
-best and gets the guard's checkpoint; validation at step 4 falls below (1 - 0.3) x best, so with
-patience 1 the guard restores step 2 (actor weights, optimizer, data position), halves the learning
-rate and saves the restored state over verl's step-4 checkpoint. The run is SIGKILLed after step 5;
-verl's resume from step 4 trains steps 5-6 with the guard's state read back from that checkpoint.
-The two launches are the session fixture ``guarded_so_grpo`` (tests/e2e/conftest.py), whose records
-tests/e2e/test_e2e_cpu_main_ppo.py also reads for its SO-GRPO step and resume checks.
+One SO-PPO run with a critic and the KL loss (sync trainer, 24 greedy validation questions every 2
+steps, verl's own checkpoint every 4 steps) at lr 1e-4 with ``sorl.fault_injection`` raising the
+actor's learning rate 10^3-fold on steps 3 and 4 (lr 0.1: Adam's first steps at that size wreck the
+tiny model). Validation at step 2 is the best and gets the guard's checkpoint; validation at step 4
+falls below (1 - 0.3) x best, so with patience 1 the guard restores step 2 (actor weights, optimizer,
+critic, data position), halves the learning rate and saves the restored state over verl's step-4
+checkpoint. The run is SIGKILLed after step 5; verl's resume from step 4 trains steps 5-6 with the
+guard's state read back from that checkpoint. The two launches are the session fixture
+``guarded_so_ppo`` (tests/e2e/conftest.py), whose records tests/e2e/test_e2e_cpu_main_ppo.py also
+reads for its step, resume, critic and KL-loss checks.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROLLOUT_AGREES = 1e-3
 
 
-def shard(folder: Path, kind: str) -> dict:
-    (path,) = (folder / "actor").glob(f"{kind}_world_size_1_rank_0.pt")
+def shard(folder: Path, kind: str, role: str = "actor") -> dict:
+    (path,) = (folder / role).glob(f"{kind}_world_size_1_rank_0.pt")
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -47,8 +48,8 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
             assert torch.equal(local(a[key]), local(b[key])), f"{what}.{key} differs"
 
 
-def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(guarded_so_grpo):
-    run = guarded_so_grpo  # the scenario of the module docstring (tests/e2e/conftest.py runs it once)
+def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(guarded_so_ppo):
+    run = guarded_so_ppo  # the scenario of the module docstring (tests/e2e/conftest.py runs it once)
     lr, fault, backoff = run.lr, run.fault, run.backoff
     steps = run.first.train_steps()
     assert sorted(steps)[:5] == [1, 2, 3, 4, 5], sorted(steps)
@@ -73,6 +74,9 @@ def test_guard_restores_best_checkpoint_and_survives_kill_and_resume(guarded_so_
     for kind in ("model", "optim"):
         assert_same_tensors(shard(best_dir, kind), shard(restored, kind), kind)
         assert_same_tensors(shard(ckpt / "global_step_2", kind), shard(best_dir, kind), kind)
+        # the critic comes back with the actor (so_ppo)
+        assert_same_tensors(shard(best_dir, kind, "critic"), shard(restored, kind, "critic"), f"critic {kind}")
+        assert_same_tensors(shard(ckpt / "global_step_2", kind, "critic"), shard(best_dir, kind, "critic"), kind)
     # the data position came back with the weights: step 5 trains on the prompts of step 3
     first = run.first_prompts
     assert first[5] == first[3] and first[3] != first[4]

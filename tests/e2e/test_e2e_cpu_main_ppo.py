@@ -26,11 +26,6 @@ def train_steps(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in records if "timing_s/step" in r["data"]}
 
 
-def run_main_ppo(run_dir, main_ppo, algo_args: list[str], extra: list[str]) -> list[dict]:
-    """Run main_ppo (conftest's runner); return verl's metric records."""
-    return main_ppo(run_dir, algo_args, extra).records
-
-
 def assert_sorl_step_metrics(m: dict) -> None:
     for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm"):
         assert math.isfinite(float(m[key])), (key, m[key])
@@ -45,17 +40,17 @@ def assert_sorl_step_metrics(m: dict) -> None:
     assert sorl["actor/sorl/turn_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_so_grpo_two_steps_then_resume(guarded_so_grpo):
-    """SO-GRPO's step metrics and verl's resume, read from the guard test's session run (tests/e2e/
-    conftest.py: small sizes, lr 1e-5, a forced collapse on steps 3-4, killed after step 5, resumed
-    to step 6), so that no launch of its own is needed: steps 1-2 are plain SO-GRPO steps before the
-    fault, and the resumed launch trains only the steps after the latest checkpoint."""
-    run = guarded_so_grpo
+def test_so_ppo_steps_then_resume(guarded_so_ppo):
+    """SORL's step metrics and verl's resume, read from the guard test's session run (tests/e2e/
+    conftest.py: SO-PPO with a critic and the KL loss, small sizes, lr 1e-4, a forced collapse on
+    steps 3-4, killed after step 5, resumed to step 6), so that no launch of its own is needed: steps
+    1-2 are plain steps before the fault, and the resumed launch trains only the steps after the
+    latest checkpoint."""
+    run = guarded_so_ppo
     steps = run.first.train_steps()
     clean = {s: steps[s] for s in (1, 2)}  # before the fault injection (steps 3-4)
     for m in clean.values():
         assert_sorl_step_metrics(m)
-        assert "critic/values/mean" not in m  # no critic for so_grpo
     # turns are runs of response_mask == 1: more than one turn in a row means the retrieved
     # <information> tokens between them were masked out of the policy loss
     assert max(float(m["actor/sorl/num_turns_mean"]) for m in clean.values()) > 1.0
@@ -73,25 +68,15 @@ def test_so_grpo_two_steps_then_resume(guarded_so_grpo):
     assert sorted(resumed_steps) == [5, 6], "resume from global_step_4 trains only steps 5-6"
     for m in resumed_steps.values():
         assert_sorl_step_metrics(m)
-        assert "critic/values/mean" not in m
+        assert math.isfinite(float(m["critic/values/mean"]))  # the resumed run has its critic back
 
 
-def test_so_ppo_critic_values_reach_turn_level_gae(tmp_path, main_ppo):
-    # every model verl can place on the CPU worker: actor, critic and the reference model of the KL loss
-    algo = [
-        "algorithm.adv_estimator=so_ppo",
-        "actor_rollout_ref.actor.policy_loss.loss_mode=so_ppo",
-        "critic.enable=True",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-    ]
-    records = run_main_ppo(
-        tmp_path,
-        main_ppo,
-        algo,
-        ["trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.resume_mode=disable"],
-    )
-    steps = train_steps(records)
-    assert sorted(steps) == [1, 2]
+def test_so_ppo_critic_values_reach_turn_level_gae(guarded_so_ppo):
+    """SO-PPO with actor, critic and the KL loss's reference model (every model verl can place on the
+    CPU worker), read from steps 1-2 of the guarded session run: before its fault injection, a plain
+    2-step SO-PPO run at lr 1e-4."""
+    first = guarded_so_ppo.first.train_steps()
+    steps = {s: first[s] for s in (1, 2)}
     for m in steps.values():
         assert_sorl_step_metrics(m)
         # the critic ran and was updated; so_ppo's estimator raises when no values reach it
@@ -160,4 +145,5 @@ def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedd
     steps = train_steps([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
     assert sorted(steps) == [1]
     assert_sorl_step_metrics(steps[1])
+    assert "critic/values/mean" not in steps[1]  # no critic for so_grpo
     assert not (tmp_path / "ckpt" / "sorl_updates.jsonl").exists()  # override_optimizer_config=null: no update log
