@@ -72,10 +72,19 @@ def finite_or_none(obj: Any) -> Any:
     return obj
 
 
+#: this checkout's hydra config folder: the overlay of a cell whose recorded ``--config-path`` is gone
+#: (a run made in another checkout or a removed worktree, aggregated from the archive)
+CHECKOUT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "sorl" / "config"
+
+
 def _config_dir(cell: dict[str, Any]) -> Path | None:
-    """The ``--config-path`` the cell's main_ppo command ran with (None when not recorded)."""
+    """The ``--config-path`` the cell's main_ppo command ran with, or this checkout's config folder when
+    that path no longer exists (None when not recorded)."""
     cmd = cell.get("command") or []
-    return Path(cmd[cmd.index("--config-path") + 1]) if "--config-path" in cmd[:-1] else None
+    if "--config-path" not in cmd[:-1]:
+        return None
+    recorded = Path(cmd[cmd.index("--config-path") + 1])
+    return recorded if recorded.is_dir() else CHECKOUT_CONFIG_DIR
 
 
 def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:

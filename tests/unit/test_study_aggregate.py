@@ -422,3 +422,15 @@ def test_the_fall_rule_table_goes_below_the_fixed_one_and_needs_the_validation_s
     assert cli.main(["aggregate", "--grid", str(fall_grid), "--out", str(study), "--results", str(empty)]) == 2
     assert "hot/grpo/seed2: its record has no data.val_max_samples" in capsys.readouterr().err
     assert not empty.exists() or not any(empty.iterdir())
+
+
+def test_episodes_come_from_this_checkout_when_the_recorded_config_path_is_gone(tmp_path):
+    """A run made in another checkout (a removed worktree) aggregates to the same episodes per step."""
+    from sorl_verl.study.aggregate import CHECKOUT_CONFIG_DIR, _config_dir
+    from sorl_verl.study.report import episodes_per_step
+
+    gone = {"command": ["python", "-m", "verl.trainer.main_ppo", "--config-path", str(tmp_path / "gone"), "x"]}
+    here = {"command": ["python", "-m", "verl.trainer.main_ppo", "--config-path", str(CHECKOUT_CONFIG_DIR), "x"]}
+    assert _config_dir(gone) == CHECKOUT_CONFIG_DIR == _config_dir(here)
+    assert _config_dir({"command": ["python"]}) is None
+    assert episodes_per_step({}, _config_dir(gone)) == episodes_per_step({}, CHECKOUT_CONFIG_DIR) is not None
