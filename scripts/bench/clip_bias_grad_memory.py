@@ -66,11 +66,15 @@ def one_step(model_name: str, rows: int, length: int, threads: int, configuratio
     ids = torch.randint(0, config.vocab_size, (rows, length))
     mask = multi_turn_mask(rows, length - 1, 4, 8)  # the response: every token after the first
     gen = torch.Generator().manual_seed(1)
-    advantages = (torch.randn(rows, 1, generator=gen) * mask).float()
+    row_advantage = torch.randn(rows, 1, generator=gen)
+    advantages = (row_advantage * mask).float()
     logits = model(input_ids=ids).logits
     log_prob = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     del logits
-    old_log_prob = log_prob.detach() + 0.5 * torch.randn(log_prob.shape, generator=gen)
+    # off-policy per token, and per row towards the clipped side of its advantage's sign (ratio e^0.5 where
+    # A > 0, e^-0.5 where A < 0), so that long turns, whose ratio averages the token noise out, clip too
+    shift = 0.5 * torch.sign(row_advantage) - 0.5 * torch.randn(log_prob.shape, generator=gen)
+    old_log_prob = log_prob.detach() - shift
     reference, diagnostic = CONFIGURATIONS[configuration]
     actor = ActorConfig(
         strategy="fsdp2", rollout_n=1, ppo_micro_batch_size_per_gpu=rows,
@@ -120,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ) as pool:  # a fresh child per configuration: a high-water mark is per process
         for name in CONFIGURATIONS:
             steps[name] = pool.apply(one_step, (args.model, args.rows, args.length, args.threads, name))
+    if not all(steps[name]["clip_bias_grad_norm"] for name in ("diagnostic", "gradient")):
+        raise RuntimeError(f"nothing was clipped, so no extra backward ran: {steps}")
     base = steps["base"]["peak_rss_mib"]
     param_mib = 4 * steps["base"]["parameters"] / 2**20
     result = {

@@ -228,7 +228,7 @@ spec.loader.exec_module(case)
 from sorl_verl.algorithms import optim
 rank, world, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # the actor's update-scaled optimizer (clip_norm_apply=update)
+actor_optimizer = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # the actor's update-scaled optimizer (clip_norm_apply=update)
 data = torch.load(path)
 model = case.TinyLM(seed=0)
 for block in model.blocks:
