@@ -123,22 +123,10 @@ def _resolve_optimizer(name: str) -> Any:
     return type(optimizer)
 
 
-def _resolve_step_hooks(name: str) -> Any:
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
-    from sorl_verl.algorithms import optim
-
-    pre, post = (optim._HOOK_HANDLES + [None, None])[:2]
-    if pre is None or pre.id not in _global_optimizer_pre_hooks or post.id not in _global_optimizer_post_hooks:
-        raise LookupError(f"{name}: torch's global optimizer-step hooks are not registered in this process")
-    return optim.install_step_hooks
-
-
 #: plugin.REGISTERED key -> the verl getter that must find each name
 RESOLVERS: dict[str, Callable[[str], Any]] = {
     "policy_loss": _resolve_policy_loss,
     "optimizer": _resolve_optimizer,
-    "optimizer_step_hooks": _resolve_step_hooks,
     "adv_estimator": _resolve_adv_estimator,
     "trainer": _resolve_trainer,
     "agent_loop": _resolve_agent_loop,
