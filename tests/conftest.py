@@ -264,9 +264,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_stale_normalizer_records():
-    """Each test starts with an empty SORL step ledger: the plugin's global optimizer-step hooks
-    scale any torch optimizer's next step by what a SORL loss published (sorl_verl.algorithms.optim),
-    so a loss computed in one test must not shrink a step taken in another (e.g. a warm-start build)."""
+    """Each test starts with an empty SORL step ledger: the update-scaled optimizer
+    (sorl_verl.algorithms.optim) scales its next step by what a SORL loss published in the process,
+    so a loss computed in one test must not shrink a step that another test's optimizer takes."""
 
     def clear() -> None:
         ledger = getattr(sys.modules.get("sorl_verl.algorithms.optim"), "LEDGER", None)
