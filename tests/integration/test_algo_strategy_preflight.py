@@ -59,7 +59,8 @@ def test_gradient_reference_with_megatron_is_refused_naming_fsdp2():
     with pytest.raises(Exception, match="strategy=fsdp2") as err:
         omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
     assert "actor_rollout_ref.actor.strategy=megatron" in str(err.value)
-    relative = compose_sorl("model_engine=megatron").actor_rollout_ref.actor.policy_loss
+    # (clip_norm_apply=update is refused under Megatron on its own: test_update_mode_that_no_optimizer...)
+    relative = compose_sorl("model_engine=megatron", f"{KNOB}.clip_norm_apply=loss").actor_rollout_ref.actor.policy_loss
     assert omega_conf_to_dataclass(relative).actor_strategy == "megatron"
 
 
@@ -73,3 +74,34 @@ def test_main_ppo_stops_before_ray_naming_fsdp2():
     assert out.returncode != 0
     assert "strategy=fsdp2" in text, text[-3000:]
     assert "ray init kwargs" not in text  # stopped before Ray was started
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (("model_engine=megatron",), "strategy=megatron"),
+        (
+            (
+                "actor_rollout_ref.actor.optim.optimizer_impl=torch.optim",
+                "actor_rollout_ref.actor.optim.override_optimizer_config=null",
+            ),
+            "optimizer_impl=torch.optim",
+        ),
+    ],
+)
+def test_update_mode_that_no_optimizer_takes_right_is_refused_at_start_up(overrides, named):
+    """``clip_norm_apply=update`` (the default) under Megatron or with verl's own optimizer class: refused
+    where the policy-loss config is built (the driver, before Ray), naming clip_norm_apply=loss."""
+    config = compose_sorl(*overrides)
+    with pytest.raises(Exception, match="clip_norm_apply=loss") as err:
+        omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
+    assert named in str(err.value)
+    ok = compose_sorl(*overrides, f"{KNOB}.clip_norm_apply=loss")
+    assert omega_conf_to_dataclass(ok.actor_rollout_ref.actor.policy_loss).clip_norm_apply == "loss"
+    vanilla = compose_sorl(*overrides, f"{KNOB}.loss_mode=vanilla")  # no normalizer: nothing to refuse
+    assert omega_conf_to_dataclass(vanilla.actor_rollout_ref.actor.policy_loss).loss_mode == "vanilla"
+
+
+def test_update_mode_with_the_update_scaled_optimizer_is_accepted():
+    loss = omega_conf_to_dataclass(compose_sorl().actor_rollout_ref.actor.policy_loss)
+    assert (loss.clip_norm_apply, loss.actor_optimizer_impl) == ("update", "sorl_verl.algorithms.optim")
