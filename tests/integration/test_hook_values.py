@@ -61,27 +61,6 @@ def turn_gae_reference(rewards, values, mask, gamma, lam):
     return verl_F.masked_whiten(adv, mask.to(torch.float64)) * mask, ret, adv
 
 
-def gae_tolerances(fp32, rewards, values, mask, raw_adv, adv) -> tuple[float, float]:
-    """Absolute float32 error bounds of the estimator against the float64 reference: (advantages, returns).
-
-    Raw advantages and returns: per turn a reward sum over <= T tokens, delta (3 roundings), the
-    K-term discounted sum with pow weights (K + 2) and + V: <= T + K + 6 roundings over terms of
-    magnitude S = sum |r| + 2 sum |V at turn starts| of a row (gamma, lam <= 1): e_A = fp32(S, T + K + 6).
-    Whitening over N tokens (first order, s = std of A, a = max |whitened A|): the centred values
-    carry e_c = 2 e_A + (N + 2) u max|A|, the std a relative 2 a e_c / s + (N + 6) u a^2 + u, so
-    |error| <= (e_c / s)(1 + 2 a^2) + (N + 6) u a^3 + 2 u a.
-    """
-    m = mask.bool()
-    starts = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0))
-    length, turns, tokens = mask.shape[1], int(starts.sum(-1).max()), int(m.sum())
-    magnitude = (rewards.double().abs().sum(-1) + 2 * (values.double().abs() * starts).sum(-1)).max()
-    e_raw = fp32.rounding(float(magnitude), length + turns + 6)
-    std, a = float(raw_adv[m].std()), float(adv[m].abs().max())
-    e_c = 2 * e_raw + fp32.rounding(float(raw_adv[m].abs().max()), tokens + 2)
-    e_adv = e_c / std * (1 + 2 * a**2) + fp32.rounding(a**3, tokens + 6) + fp32.rounding(a, 2)
-    return e_adv, e_raw
-
-
 def random_multiturn_batch(seed: int, batch: int = 5, length: int = 24):
     """Ragged multi-turn rows: policy runs separated by observation runs, right padding, one empty row."""
     g = torch.Generator().manual_seed(seed)
@@ -155,7 +134,7 @@ def test_so_ppo_through_verl_compute_advantage_is_turn_level_gae_of_provided_val
     assert int((mask.diff(dim=1) == 1).sum()) >= 4, "fixture must contain multi-turn rows"
     advantages, returns = so_ppo_through_verl(rewards, values, mask, gamma, lam)
     ref_adv, ref_ret, raw_adv = turn_gae_reference(rewards.double(), values.double(), mask, gamma, lam)
-    atol_adv, atol_ret = gae_tolerances(fp32, rewards, values, mask, raw_adv, ref_adv)  # float32 vs float64
+    atol_adv, atol_ret = fp32.turn_gae(rewards, values, mask, raw_adv, ref_adv)  # float32 vs float64
     torch.testing.assert_close(advantages.double(), ref_adv, atol=atol_adv, rtol=0)
     torch.testing.assert_close(returns.double(), ref_ret, atol=atol_ret, rtol=0)
     assert torch.all(advantages[mask == 0] == 0) and torch.all(returns[mask == 0] == 0)
