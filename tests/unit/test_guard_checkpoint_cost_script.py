@@ -18,7 +18,9 @@ def test_tiny_checkpoint_round_trip(tmp_path: Path):
     cmd = [sys.executable, str(REPO_ROOT / "scripts/bench/guard_checkpoint_cost.py"), "--device", "cpu",
            "--model", "tiny", "--rows", "1", "--length", "16", "--no-cold", "--ckpt-dir", str(ckpt),
            "--json-out", str(out)]  # fmt: skip
-    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    # as on the device image: verl without the plugin, so no CPU platform (tests/conftest.py sets
+    # VERL_PLATFORM=cpu on a machine without CUDA; verl would refuse that unknown platform)
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"} | {"VERL_USE_EXTERNAL_PLUGINS": "none"}
     run = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
