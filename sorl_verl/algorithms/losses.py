@@ -17,7 +17,9 @@ Per token (``m`` = response_mask, ``d = clamp(log_prob - old_log_prob, ±log_rat
                   is :func:`sorl_verl.algorithms.optim.publish_normalizer`)
 
 Every mode logs ``sorl/clip_bias_grad_norm`` = ||C(theta)|| on the first micro-batch after each
-optimizer step (on every micro-batch where a gradient reference drives Z), whatever its reference.
+optimizer step (on every micro-batch where a gradient reference drives Z), whatever its reference,
+and on every micro-batch the effective sample sizes ``sorl/ess_token`` and ``sorl/ess_turn`` of the
+importance weights (:mod:`~sorl_verl.algorithms.ess`; detached, they change no loss or gradient).
 
 ``turn_ppo`` (turn ratio, Z = 1), ``s_ppo`` (token ratio, Z on), ``so_ppo`` and ``so_grpo``
 (turn ratio, Z on) share :func:`sorl_policy_loss`; ``vanilla_diag`` is verl's ``vanilla``
@@ -34,6 +36,7 @@ import torch.distributed as dist
 from verl.trainer.ppo.core_algos import agg_loss, compute_policy_loss_vanilla
 
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC, GradientNorms, clip_bias_gradient_norms
+from sorl_verl.algorithms.ess import ess_metrics
 from sorl_verl.algorithms.knobs import GRADIENT_REFERENCES, SORLKnobs, read_knobs
 from sorl_verl.algorithms.optim import check_step_scaling, publish_normalizer
 from sorl_verl.algorithms.parallel import data_parallel_group
@@ -278,6 +281,7 @@ def sorl_policy_loss(
         else:
             stats = _ratio_metrics(terms.log_ratio, mask, low, high, "token")
         stats["sorl/num_turns_mean"] = runs.num_turns.double() / runs.rows_with_turns.clamp_min(1)
+        stats.update(ess_metrics(terms.log_ratio, mask, runs))  # detached, float64: no effect on the loss
         token_denominator = num_tokens + 1e-8  # verl's masked_mean
         inv_z = 1.0 / z
         stats["sorl/clip_bias_norm"] = norm
@@ -350,6 +354,18 @@ compute_policy_loss_so_grpo = _sorl_loss(
 )
 
 
+def _vanilla_ess(old_log_prob: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """:func:`~sorl_verl.algorithms.ess.ess_metrics` of ``vanilla``'s token ratio (its log-ratio clamped to
+    ±20 as ``vanilla`` clamps it), with turns from the response mask as the turn-level losses take them."""
+    with torch.no_grad():
+        mask = response_mask.bool()
+        zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
+        log_ratio = torch.where(mask, log_prob.detach().double() - old_log_prob.detach().double(), zero)
+        stats = ess_metrics(log_ratio.clamp(min=-20.0, max=20.0), mask, segment_runs(mask))
+        values = torch.stack(list(stats.values())).tolist() if stats else []  # one host synchronization
+    return dict(zip(stats, values, strict=True))
+
+
 def compute_policy_loss_vanilla_diag(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -361,10 +377,12 @@ def compute_policy_loss_vanilla_diag(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's ``vanilla`` loss, called unchanged (loss, gradient and metrics are its own), plus the
     diagnostic ``sorl/clip_bias_grad_norm`` of its token-ratio dual-clip surrogate on the first
-    micro-batch after each optimizer step: the GRPO/PPO baselines log what the SORL modes log."""
+    micro-batch after each optimizer step and ``sorl/ess_token`` / ``sorl/ess_turn`` on every
+    micro-batch (detached): the GRPO/PPO baselines log what the SORL modes log."""
     pg_loss, metrics = compute_policy_loss_vanilla(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
     )
+    metrics = {**metrics, **_vanilla_ess(old_log_prob, log_prob, response_mask)}
     if torch.is_grad_enabled() and log_prob.requires_grad and DIAGNOSTIC.claim():
         low, high, clip_ratio_c = _clip_params(config)
         knobs = read_knobs(config)

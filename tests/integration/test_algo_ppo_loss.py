@@ -193,3 +193,32 @@ def test_entropy_and_kl_loss_terms_under_each_apply_mode(apply, fp32):
     kl_on = steps["max", True, True][0] - steps["max", True, False][0]
     kl_off = steps["none", True, True][0] - steps["none", True, False][0]
     assert_scaled(kl_on, kl_off, others, fp32)
+
+
+def test_every_registered_loss_logs_the_ess_through_verl_ppo_loss_as_the_mean_over_micro_batches():
+    """Each loss mode the plugin registers, looked up by verl's ``ppo_loss`` in verl's registry, logs
+    ``sorl/ess_token`` and ``sorl/ess_turn``; verl's MEAN over an on-policy and an off-policy micro-batch
+    is the mean of 1 and the off-policy micro-batch's ESS (sorl_verl/algorithms/ess.py)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    from sorl_verl.algorithms.ess import ESS_TOKEN, ESS_TURN, ess_metrics
+    from sorl_verl.algorithms.losses import POLICY_LOSSES
+    from sorl_verl.algorithms.turns import segment_runs
+    from sorl_verl.plugin import register_all
+
+    modes = register_all()["policy_loss"]
+    assert set(modes) == set(POLICY_LOSSES) and all(POLICY_LOSS_REGISTRY[m] is POLICY_LOSSES[m] for m in modes)
+    _, off_data, off_padded, off_mask = micro_batch(seed=7, spread=1.0)
+    log_ratio = torch.where(off_mask, off_padded.double() - off_data["old_log_probs"].double(), 0.0)
+    off = {k: v.item() for k, v in ess_metrics(log_ratio, off_mask, segment_runs(off_mask)).items()}
+    assert 0.0 < off[ESS_TOKEN] < 0.9 and 0.0 < off[ESS_TURN] < 0.9
+    for mode in modes:
+        collected: dict[str, Metric] = {}
+        for seed, spread in ((6, 0.0), (7, 1.0)):
+            flat, data, _, mask = micro_batch(seed=seed, spread=spread)
+            set_global_info(data, 200, 8)
+            _, metrics = ppo_loss(actor(mode, "token-mean"), {"log_probs": flat}, data)
+            for key, metric in metrics.items():
+                collected.setdefault(key, metric.init_list()).extend(metric)
+        for key in (ESS_TOKEN, ESS_TURN):
+            assert collected[key].aggregate() == pytest.approx((1.0 + off[key]) / 2, rel=1e-6), (mode, key)

@@ -27,6 +27,7 @@ NORMALIZER_KEYS = {
 TURN_KEYS = {"sorl/turn_ratio_mean", "sorl/turn_ratio_max", "sorl/turn_ratio_min", "sorl/turn_clipfrac"}
 TOKEN_KEYS = {key.replace("turn", "token") for key in TURN_KEYS}
 VERL_KEYS = {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+ESS_KEYS = {"sorl/ess_token", "sorl/ess_turn"}
 
 
 @pytest.fixture(autouse=True)
@@ -254,7 +255,7 @@ def test_metrics_are_python_floats_with_all_keys(name):
     mask = ragged_mask()
     old, new, adv = batch(mask)
     _, _, metrics = loss_and_grad(get_policy_loss_fn(name), old, new, adv, mask)
-    assert set(metrics) == NORMALIZER_KEYS | (TOKEN_KEYS if name == "s_ppo" else TURN_KEYS) | VERL_KEYS
+    assert set(metrics) == NORMALIZER_KEYS | (TOKEN_KEYS if name == "s_ppo" else TURN_KEYS) | VERL_KEYS | ESS_KEYS
     assert all(type(v) is float and math.isfinite(v) for v in metrics.values())
 
 
