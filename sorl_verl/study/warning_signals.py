@@ -7,11 +7,22 @@ The rule, fixed before the learning study's runs:
   first validation after the peak whose gain over step 0 is below ``LOST_FRACTION`` of the peak
   gain. A run that did neither *held*.
 - **Alarm.** For a signal ``x_t`` (one value per training step), the baseline ``b`` is its median
-  over steps ``1..BASELINE_STEPS`` and ``m_t`` the mean of the last ``WINDOW`` steps. The signal
-  alarms at the first step ``t > BASELINE_STEPS`` with ``m_t > FACTOR * max(b, floor)`` (or, for the
-  two-sided signals, also ``m_t < max(b, floor) / FACTOR``), where ``floor`` is ``FLOOR_SHARE`` of the
-  median over the study's runs of the signal's largest value in each run (a scale of the signal
-  itself, so that a baseline of 0, such as a clip fraction on-policy, does not alarm on any rise).
+  over steps ``1..BASELINE_STEPS`` and ``m_t`` the mean of the last ``WINDOW`` steps. A signal that
+  warns by rising (``up``) alarms at the first step ``t > BASELINE_STEPS`` with
+  ``m_t > FACTOR * max(b, floor)``; one that warns by falling (``down``, the effective sample sizes)
+  at the first with ``m_t < b / FACTOR``; a ``both`` signal at the first step with either.
+- **Per-run floor.** ``floor`` is the sample standard deviation of the same run's values at steps
+  ``1..BASELINE_STEPS`` (0 with fewer than two of them). It uses nothing but that run's own baseline,
+  so a run's alarm does not depend on which other runs are analysed. (Until issue 46 the floor was
+  ``0.1 x`` the median over the study's runs of each run's largest value: adding runs moved it and
+  changed verdicts, ``||C(theta)||`` warned 5/12 -> 12/14 -> 7/17 as runs came in.) Why the spread:
+  the floor exists so that a baseline near 0 (a clip fraction or KL on-policy) does not alarm on any
+  rise; a share of the baseline median cannot do that (it is 0 too), while the spread is the run's
+  own step-to-step noise, so a rise must bring the window mean past ``FACTOR`` baseline standard
+  deviations above 0 before it counts; where the median exceeds the spread (most signals) the rule is
+  ``FACTOR x median``, as before. A baseline that is exactly constant at 0 has no scale to judge a
+  rise by and never alarms upward. A fall is judged against the median alone: a baseline of 0 cannot
+  fall, and a noisy baseline should not make a fall easier to call.
 - **Scored.** An alarm warned of a drop when it came at or before the drop step (``lead = drop step
   - alarm step``); an alarm in a run that held is a false alarm.
 
@@ -37,7 +48,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN
@@ -46,21 +57,31 @@ from sorl_verl.study.metrics import Trace
 BASELINE_STEPS = 5
 WINDOW = 3
 FACTOR = 2.0
-FLOOR_SHARE = 0.1
 
-#: signal name -> (metric key in verl's metrics file, two-sided)
-SIGNALS: dict[str, tuple[str, bool]] = {
-    "||C(theta)||": ("actor/sorl/clip_bias_grad_norm", False),
-    "||C||": ("actor/sorl/clip_bias_norm", False),
-    "rho": ("actor/sorl/clip_bias_rel", False),
-    "ppo_kl": ("actor/ppo_kl", False),
-    "turn clipfrac": ("actor/sorl/turn_clipfrac", False),
-    "token clipfrac": ("actor/pg_clipfrac", False),
-    "entropy": ("actor/entropy", True),
-    "grad norm": ("actor/grad_norm", False),
-    "response length": ("response_length/mean", True),
-    "turns per episode": ("agent/turns_mean", True),
+#: the directions a signal warns in: by rising, by falling, or either
+UP, DOWN, BOTH = "up", "down", "both"
+
+#: signal name -> (metric key in verl's metrics file, direction)
+SIGNALS: dict[str, tuple[str, str]] = {
+    "||C(theta)||": ("actor/sorl/clip_bias_grad_norm", UP),
+    "||C||": ("actor/sorl/clip_bias_norm", UP),
+    "rho": ("actor/sorl/clip_bias_rel", UP),
+    "ppo_kl": ("actor/ppo_kl", UP),
+    "turn clipfrac": ("actor/sorl/turn_clipfrac", UP),
+    "token clipfrac": ("actor/pg_clipfrac", UP),
+    "ESS token": ("actor/sorl/ess_token", DOWN),
+    "ESS turn": ("actor/sorl/ess_turn", DOWN),
+    "entropy": ("actor/entropy", BOTH),
+    "grad norm": ("actor/grad_norm", UP),
+    "response length": ("response_length/mean", BOTH),
+    "turns per episode": ("agent/turns_mean", BOTH),
 }
+
+#: the issue's rule for a signal to become an early trigger of the collapse guard: it warned before at
+#: least this share of the drops ...
+TRIGGER_MIN_WARNED = 0.8
+#: ... with false alarms in at most this share of the runs that held
+TRIGGER_MAX_FALSE = 0.2
 
 #: standard errors of the fall rule (see the module docstring)
 FALL_K = 2.0
@@ -70,10 +91,12 @@ VAL_SIZE_KEY = "data.val_max_samples"
 RULE = (
     f"Drop: collapse onset, or the first validation after the peak below {LOST_FRACTION:g} x the peak gain "
     f"(runs that gained >= {MIN_GAIN:g} and lost it). Alarm: the first step after {BASELINE_STEPS} where the "
-    f"mean of the last {WINDOW} steps exceeds {FACTOR:g} x max(baseline, floor) (two-sided signals: or falls "
-    f"below it / {FACTOR:g}); baseline = median over steps 1-{BASELINE_STEPS}; floor = {FLOOR_SHARE:g} x the "
-    "median over runs of the signal's maximum. Warned: alarm at or before the drop; false alarm: alarm in a "
-    "run that held."
+    f"mean of the last {WINDOW} steps exceeds {FACTOR:g} x max(baseline, floor) (signals that warn by falling, "
+    f"the ESS: falls below baseline / {FACTOR:g}; entropy, response length, turns: either); baseline = median "
+    f"over the run's steps 1-{BASELINE_STEPS}; floor = the standard deviation of the run's own steps "
+    f"1-{BASELINE_STEPS} (per run: no run's alarm depends on the other runs). Warned: alarm at or before the "
+    'drop; false alarm: alarm in a run that held. A signal no run logged is "not logged"; the counts of a '
+    "signal are over the runs that log it."
 )
 
 FALL_RULE = (
@@ -152,20 +175,31 @@ def validation_size(cell: Mapping[str, object]) -> int:
     return n
 
 
-def alarm_step(series: Sequence[tuple[int, float]], floor: float, two_sided: bool) -> int | None:
-    """The first step at which the signal alarms (see the module docstring), or None."""
+def baseline_floor(base_values: Sequence[float]) -> float:
+    """The per-run floor (module docstring): the sample standard deviation of the run's own baseline
+    values, 0 with fewer than two."""
+    return statistics.stdev(base_values) if len(base_values) >= 2 else 0.0
+
+
+def alarm_step(series: Sequence[tuple[int, float]], direction: str = UP) -> int | None:
+    """The first step at which the signal alarms in ``direction`` (:data:`UP`, :data:`DOWN` or
+    :data:`BOTH`; module docstring), judged against this series' own baseline only; None if never."""
+    if direction not in (UP, DOWN, BOTH):
+        raise ValueError(f"direction must be {UP!r}, {DOWN!r} or {BOTH!r}, got {direction!r}")
     base_vals = [v for s, v in series if 1 <= s <= BASELINE_STEPS]
     if not base_vals:
         return None
-    ref = max(statistics.median(base_vals), floor)
-    if ref <= 0:
-        return None
+    median = statistics.median(base_vals)
+    high = FACTOR * max(median, baseline_floor(base_vals)) if direction != DOWN else math.inf
+    low = median / FACTOR if direction != UP else -math.inf
+    if not high > 0:  # a baseline constant at 0 (or below): no scale to judge a rise by
+        high = math.inf
     values = [v for _, v in series]
     for i, (step, _) in enumerate(series):
         if step <= BASELINE_STEPS or i + 1 < WINDOW:
             continue
         m = sum(values[i + 1 - WINDOW : i + 1]) / WINDOW
-        if m > FACTOR * ref or (two_sided and m < ref / FACTOR):
+        if m > high or m < low:
             return step
     return None
 
@@ -209,21 +243,11 @@ def run_signals(run: Mapping[str, object], trace: Trace, drop: DropRule = drop_s
     return RunSignals(key, drop(vals, onset), {k: v for k, v in series.items() if v})  # type: ignore[arg-type]
 
 
-def floors(runs: Iterable[RunSignals]) -> dict[str, float]:
-    """Per signal, ``FLOOR_SHARE`` x the median over runs of the signal's largest value."""
-    peaks: dict[str, list[float]] = {}
-    for run in runs:
-        for name, series in run.series.items():
-            if series:
-                peaks.setdefault(name, []).append(max(v for _, v in series))
-    return {name: FLOOR_SHARE * statistics.median(vals) for name, vals in peaks.items()}
-
-
 def score_signals(runs: Sequence[RunSignals]) -> list[SignalScore]:
-    """One :class:`SignalScore` per signal of :data:`SIGNALS` that some run logs."""
-    floor = floors(runs)
+    """One :class:`SignalScore` per signal of :data:`SIGNALS` that some run logs; each run's alarm is its
+    own (:func:`alarm_step`), so a run's contribution does not change when other runs are added."""
     out = []
-    for name, (_, two_sided) in SIGNALS.items():
+    for name, (_, direction) in SIGNALS.items():
         logged = [r for r in runs if r.series.get(name)]
         if not logged:
             continue
@@ -231,25 +255,47 @@ def score_signals(runs: Sequence[RunSignals]) -> list[SignalScore]:
         held = [r for r in logged if r.drop is None]
         leads = []
         for r in dropped:
-            a = alarm_step(r.series[name], floor[name], two_sided)
+            a = alarm_step(r.series[name], direction)
             if a is not None and a <= r.drop:
                 leads.append(r.drop - a)
-        false_alarms = sum(alarm_step(r.series[name], floor[name], two_sided) is not None for r in held)
+        false_alarms = sum(alarm_step(r.series[name], direction) is not None for r in held)
         out.append(SignalScore(name, len(dropped), len(leads), tuple(leads), len(held), false_alarms))
     return out
 
 
+def meets_trigger_rule(score: SignalScore) -> bool:
+    """The issue's rule for an early trigger of the guard: warned before at least
+    :data:`TRIGGER_MIN_WARNED` of the drops and false alarms in at most :data:`TRIGGER_MAX_FALSE` of the
+    runs that held; False where either count is over no runs (nothing to judge by)."""
+    if score.dropped_runs == 0 or score.held_runs == 0:
+        return False
+    warned = score.warned / score.dropped_runs
+    false = score.false_alarms / score.held_runs
+    return warned >= TRIGGER_MIN_WARNED - 1e-12 and false <= TRIGGER_MAX_FALSE + 1e-12
+
+
 def markdown(scores: Sequence[SignalScore], runs: Sequence[RunSignals] = (), rule: str = "drop") -> str:
     """The warning table of docs/results.md (with the runs that dropped and where, when given), in the
-    words of ``rule`` (a key of :data:`WORDS`)."""
+    words of ``rule`` (a key of :data:`WORDS`). Every signal of :data:`SIGNALS` has a row, in that order:
+    one that no run logged says "not logged" instead of a count. Below the table, the signals that meet
+    the early-trigger rule (:func:`meets_trigger_rule`), or "none": a fact about this table, not the
+    guard's setting (docs/results.md says which study decides it and what the guard uses)."""
     dropped_runs, held_runs, listed = WORDS[rule]
     lines = [f"| signal | warned / {dropped_runs} | median lead (steps) | false alarms / {held_runs} |",
              "| --- | ---: | ---: | ---: |"]  # fmt: skip
-    for s in scores:
+    by_name = {s.signal: s for s in scores}
+    for name in [*SIGNALS, *(n for n in by_name if n not in SIGNALS)]:
+        cell = name.replace("|", "\\|")  # a bare | in ||C|| would split the cell
+        s = by_name.get(name)
+        if s is None:
+            lines.append(f"| {cell} | not logged | - | not logged |")
+            continue
         d = s.as_dict()
         lead = "-" if d["median_lead_steps"] is None else f"{d['median_lead_steps']:g}"
-        name = s.signal.replace("|", "\\|")  # a bare | in ||C|| would split the cell
-        lines.append(f"| {name} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
+        lines.append(f"| {cell} | {s.warned} / {s.dropped_runs} | {lead} | {s.false_alarms} / {s.held_runs} |")
+    triggers = [s.signal for s in scores if meets_trigger_rule(s)]
+    lines += ["", f"Within the early-trigger rule (warned >= {TRIGGER_MIN_WARNED:.0%} of the {dropped_runs}, false "
+              f"alarms <= {TRIGGER_MAX_FALSE:.0%} of the {held_runs}): {', '.join(triggers) if triggers else 'none'}."]  # fmt: skip
     dropped = [f"{r.key} (step {r.drop})" for r in runs if r.drop is not None]
     if runs:
         lines += ["", f"{listed}: {', '.join(dropped) if dropped else 'none'} of {len(runs)} judged."]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from functools import partial
 
 import pytest
@@ -13,14 +14,23 @@ from hypothesis import strategies as st
 from sorl_verl.study.metrics import Trace
 from sorl_verl.study.warning_signals import (
     BASELINE_STEPS,
+    BOTH,
+    DOWN,
     FACTOR,
     FALL_K,
+    SIGNALS,
+    TRIGGER_MAX_FALSE,
+    TRIGGER_MIN_WARNED,
+    UP,
     WINDOW,
     RunSignals,
+    SignalScore,
     alarm_step,
+    baseline_floor,
     drop_step,
     fall_step,
     markdown,
+    meets_trigger_rule,
     run_signals,
     score_signals,
     validation_size,
@@ -38,28 +48,49 @@ def test_drop_step_is_the_collapse_onset_or_the_first_validation_that_lost_half_
 
 def test_alarm_needs_the_window_mean_past_the_factor_after_the_baseline():
     flat = [(s, 1.0) for s in range(1, 21)]
-    assert alarm_step(flat, floor=0.0, two_sided=True) is None
+    assert alarm_step(flat, BOTH) is None
     spike = [(s, 1.0 if s != 12 else 5.0) for s in range(1, 21)]
-    assert alarm_step(spike, 0.0, False) == 12  # (1 + 1 + 5) / 3 > 2
+    assert alarm_step(spike, UP) == 12  # (1 + 1 + 5) / 3 > 2
     rise = [(s, 1.0 if s < 15 else 2.5) for s in range(1, 21)]
-    assert alarm_step(rise, 0.0, False) == 17  # step 16: (1 + 2.5 + 2.5) / 3 = 2.0 is not > 2; step 17 is
+    assert alarm_step(rise, UP) == 17  # step 16: (1 + 2.5 + 2.5) / 3 = 2.0 is not > 2; step 17 is
     fall = [(s, 1.0 if s < 10 else 0.2) for s in range(1, 21)]
-    assert alarm_step(fall, 0.0, False) is None and alarm_step(fall, 0.0, True) == 11
-    # a baseline of 0 alarms only past FACTOR x the floor
+    assert alarm_step(fall, UP) is None and alarm_step(fall, BOTH) == 11 and alarm_step(fall, DOWN) == 11
+    assert alarm_step(rise, DOWN) is None  # a signal that warns by falling ignores a rise
+    with pytest.raises(ValueError, match="direction"):
+        alarm_step(flat, "sideways")
+
+
+def test_the_floor_is_the_spread_of_the_runs_own_baseline():
+    # a baseline constant at 0 has no scale: never alarms on a rise (and cannot fall)
     zero = [(s, 0.0 if s < 10 else 0.01) for s in range(1, 21)]
-    assert alarm_step(zero, floor=0.01, two_sided=False) is None
-    assert alarm_step(zero, floor=0.001, two_sided=False) == 10  # (0 + 0 + 0.01) / 3 > 2 x 0.001
+    assert alarm_step(zero, BOTH) is None
+    # median 0, standard deviation of (0, 0, 0, 0.03, 0.04) = 0.0195: a window mean above 0.039 alarms
+    noisy = [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.03), (5, 0.04)]
+    assert baseline_floor([v for _, v in noisy]) == pytest.approx(statistics.stdev([0, 0, 0, 0.03, 0.04]))
+    below = noisy + [(s, 0.035) for s in range(6, 21)]
+    above = noisy + [(s, 0.035 if s < 12 else 0.05) for s in range(6, 21)]
+    assert alarm_step(below, UP) is None
+    assert alarm_step(above, UP) == 12  # (0.035 + 0.035 + 0.05) / 3 = 0.040 > 2 x 0.0195; step 11's 0.035 is not
+    # where the median exceeds the spread the threshold is FACTOR x median, as in the rule fixed before
+    steady = [(s, 1.0 + 0.01 * (s % 2)) for s in range(1, 6)] + [(s, 2.1) for s in range(6, 12)]
+    assert alarm_step(steady, UP) == 8
+    # a fall is judged against the median alone: ESS from ~0.95 to below 0.475
+    ess = [(s, 0.95) for s in range(1, 6)] + [(s, 0.95 if s < 30 else 0.3) for s in range(6, 41)]
+    assert alarm_step(ess, DOWN) == 32  # (0.95 + 0.3 + 0.3) / 3 = 0.517 at 31 is not below 0.475; 32 is
 
 
 @given(st.lists(st.floats(0.01, 100, allow_nan=False), min_size=BASELINE_STEPS + WINDOW, max_size=30))
 def test_an_alarm_is_a_window_mean_past_the_threshold(values):
     series = [(i + 1, v) for i, v in enumerate(values)]
-    a = alarm_step(series, 0.0, False)
-    base = sorted(values[:BASELINE_STEPS])[BASELINE_STEPS // 2] if BASELINE_STEPS % 2 else None
+    a = alarm_step(series, UP)
+    base = values[:BASELINE_STEPS]
+    ref = max(statistics.median(base), statistics.stdev(base))
     means = {s: sum(values[i + 1 - WINDOW : i + 1]) / WINDOW for i, (s, _) in enumerate(series) if i + 1 >= WINDOW}
-    if base is not None:
-        expected = next((s for s, m in means.items() if s > BASELINE_STEPS and m > FACTOR * base), None)
-        assert a == expected
+    expected = next((s for s, m in means.items() if s > BASELINE_STEPS and m > FACTOR * ref), None)
+    assert a == expected
+    low = statistics.median(base) / FACTOR
+    expected_down = next((s for s, m in means.items() if s > BASELINE_STEPS and m < low), None)
+    assert alarm_step(series, DOWN) == expected_down
 
 
 def test_scores_count_warned_drops_leads_and_false_alarms():
@@ -94,15 +125,76 @@ def test_run_signals_takes_the_collapse_onset_or_the_lost_gain_and_only_logged_s
     assert run_signals({**run, "val_scores": [[0, 0.2], [5, 0.3], [10, 0.29]]}, trace).drop is None
 
 
-def test_table_rows_keep_four_cells_when_a_signal_name_has_bars():
+def test_table_rows_keep_four_cells_and_name_the_signals_no_run_logged():
     flat = [(s, 1.0) for s in range(1, 11)]
     runs = [RunSignals("a", drop=None, series={"||C||": flat, "||C(theta)||": flat, "ppo_kl": flat})]
     rows = [line for line in markdown(score_signals(runs)).splitlines() if line.startswith("| ")]
-    assert len(rows) == 5  # header, separator and 3 signals
+    assert len(rows) == 2 + len(SIGNALS)  # header, separator and every signal, logged or not
     for row in rows:
         cells = re.split(r"(?<!\\)\|", row)[1:-1]  # split on bars that are not escaped
         assert len(cells) == 4, row
     assert "| \\|\\|C\\|\\| | 0 / 0 | - | 0 / 1 |" in rows
+    # the old runs have no ESS: their rows say so instead of a count
+    assert (
+        "| ESS token | not logged | - | not logged |" in rows and "| ESS turn | not logged | - | not logged |" in rows
+    )
+    assert sum("not logged" in row for row in rows) == len(SIGNALS) - 3
+
+
+# --- the per-run floor: a run's verdict does not depend on the other runs ----------------------------
+
+
+def rising_run(key: str, drop: int | None) -> RunSignals:
+    """A clip-fraction-like signal near 0 in its baseline (0.01 +- 0.001) that rises to 0.05 from step 20."""
+    base = [0.01, 0.011, 0.009, 0.01, 0.011]
+    series = [(s, base[s - 1] if s <= 5 else 0.01 if s < 20 else 0.05) for s in range(1, 51)]
+    return RunSignals(key, drop=drop, series={"token clipfrac": series})
+
+
+def test_a_runs_verdict_does_not_change_when_a_run_with_a_large_signal_is_added():
+    """Fails on the pooled floor: 0.1 x the median over runs of each run's maximum (0.05 and 10) is 0.5,
+    above the first run's rise, which then no longer warned; the per-run floor leaves it warned."""
+    alone = rising_run("a", drop=30)
+    loud = RunSignals("b", drop=None, series={"token clipfrac": [(s, 10.0) for s in range(1, 51)]})
+    (before,) = score_signals([alone])
+    (after,) = score_signals([alone, loud])
+    assert (before.warned, before.leads) == (1, (10,))  # alarms at 20: (0.01 + 0.01 + 0.05) / 3 > 2 x 0.01
+    assert (after.warned, after.leads, after.held_runs, after.false_alarms) == (1, (10,), 1, 0)
+
+
+series_values = st.lists(st.floats(0.0, 50.0, allow_nan=False), min_size=BASELINE_STEPS + WINDOW, max_size=30)
+other_runs = st.lists(st.tuples(series_values, st.one_of(st.none(), st.integers(6, 30))), max_size=6)
+
+
+@given(other_runs)
+def test_adding_runs_adds_their_counts_and_changes_no_other_runs_verdict(others):
+    """Each run's contribution to a signal's counts is its own: the scores over the runs plus one are the
+    scores over that run alone added to the scores over the others."""
+    runs = [RunSignals(f"o{i}", drop, {"ppo_kl": [(k + 1, v) for k, v in enumerate(vals)]})
+            for i, (vals, drop) in enumerate(others)]  # fmt: skip
+    for target in (rising_run("a", drop=30), rising_run("b", drop=None)):
+        target = RunSignals(target.key, target.drop, {"ppo_kl": target.series["token clipfrac"]})
+        (own,) = score_signals([target])
+        together = score_signals([*runs, target])[0]
+        rest = score_signals(runs)[0] if runs else SignalScore("ppo_kl", 0, 0, (), 0, 0)
+        assert together.warned == rest.warned + own.warned
+        assert together.false_alarms == rest.false_alarms + own.false_alarms
+        assert sorted(together.leads) == sorted(rest.leads + own.leads)
+
+
+def test_the_early_trigger_rule_needs_80_percent_warned_and_at_most_20_percent_false_alarms():
+    assert (TRIGGER_MIN_WARNED, TRIGGER_MAX_FALSE) == (0.8, 0.2)
+    assert meets_trigger_rule(SignalScore("ppo_kl", 5, 4, (1, 2, 3, 4), 5, 1))  # 80 %, 20 %
+    assert not meets_trigger_rule(SignalScore("ppo_kl", 5, 3, (1, 2, 3), 5, 1))  # 60 % warned
+    assert not meets_trigger_rule(SignalScore("ppo_kl", 5, 5, (1,) * 5, 5, 2))  # 40 % false alarms
+    assert not meets_trigger_rule(SignalScore("ppo_kl", 0, 0, (), 5, 0))  # no drop to warn of
+    assert not meets_trigger_rule(SignalScore("ppo_kl", 5, 5, (1,) * 5, 0, 0))  # no held run to cry wolf in
+    table = markdown([SignalScore("ppo_kl", 5, 4, (1, 2, 3, 4), 5, 1), SignalScore("grad norm", 5, 3, (), 5, 0)])
+    assert (
+        "Within the early-trigger rule (warned >= 80% of the dropped runs, false alarms <= 20% of the runs that "
+        "held): ppo_kl." in table
+    )
+    assert markdown([SignalScore("grad norm", 5, 3, (), 5, 0)]).split("\n")[-2].endswith("held): none.")
 
 
 # --- the second analysis: fall below the best (defined after the learning study's runs) ---------
