@@ -70,6 +70,7 @@ from verl.workers.config import ActorConfig
 
 from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.advantages import compute_so_grpo_outcome_advantage, compute_turn_gae_advantage_return
+from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import (
     compute_policy_loss_s_ppo,
@@ -436,7 +437,29 @@ def loss_reference(
     one = (1.0, 0.0)
     metrics["sorl/update_scale"], bounds["sorl/update_scale"] = inv if at_update else one
     metrics["sorl/loss_scale"], bounds["sorl/loss_scale"] = one if at_update else inv
+    # effective sample sizes over the tokens and over the turns, whatever the loss's own ratio
+    tid = turn_ids(mask)
+    k_all = int(tid.max()) if tid.numel() else 0
+    sizes = per_turn(m.double(), tid, k_all)[:, 1:]
+    turn_valid = sizes > 0
+    l_turn = (per_turn(d, tid, k_all)[:, 1:] / sizes.clamp_min(1.0))[turn_valid]
+    e_turn = HIGHER_ORDER * u * (per_turn(d.abs(), tid, k_all)[:, 1:][turn_valid] + l_turn.abs())
+    for key, logs, err in (("sorl/ess_token", d[m], HIGHER_ORDER * u * d[m].abs()), ("sorl/ess_turn", l_turn, e_turn)):
+        metrics[key], bounds[key] = ess_reference(logs, err)
     return LossRef(loss, loss_bound, grad, grad_bound, metrics, bounds, ambiguous)
+
+
+def ess_reference(log_w: torch.Tensor, err: torch.Tensor) -> tuple[float, float]:
+    """``(sum w)^2 / (n sum w^2)`` (sorl_verl/algorithms/ess.py) in float64 from log-weights ``log_w`` whose
+    evaluation errs by at most ``err`` each, and its bound: a relative error ``e`` of every ``w`` moves the
+    square of the sum by ``2e`` and the sum of squares by ``2e``, so the ratio by at most ``4e`` (first
+    order), plus the float64 sums and log-sum-exp of ``n`` terms. 1 (exact) without weights."""
+    n = log_w.numel()
+    if n == 0:
+        return 1.0, 0.0
+    w = torch.exp(log_w - log_w.max())
+    ess = float(w.sum().square() / (n * w.square().sum()))
+    return ess, ess * (4 * HIGHER_ORDER * float(err.max()) + 8 * (n + 4) * U64)
 
 
 def actor_config(**knobs: Any) -> ActorConfig:
@@ -461,6 +484,7 @@ def run_loss(
     weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     log_prob = new.clone().requires_grad_(True)
+    DIAGNOSTIC.due = False  # the once-per-step sorl/clip_bias_grad_norm is not compared here: fixed key sets
     loss, metrics = fn(old, log_prob, adv, mask, mode, config, weights)
     loss.backward()
     optim.LEDGER.clear()
