@@ -13,10 +13,30 @@ score = 1.0 when the accepted answer is correct (EM for QA, one clearly chosen o
 otherwise ``format_score`` when the episode is well formed, else 0. With ``format_penalty`` > 0 a
 correct answer in a malformed episode scores 1 - format_penalty. The returned dict always has the
 same keys, so verl can stack them across a batch; ``loop_record`` says which source was used.
+
+``partial_credit`` (default 0, a number in [0, 1]) pays a wrong but answered open-domain QA
+episode for its token F1 with the best gold (a shortcut an agent can learn: hedged answers that
+list several candidates overlap the gold more often; Search-R1++, arXiv 2602.19526, traces a
+collapse to answer avoidance under an F1 reward). With ``m`` = 1 when the episode is well formed, else 1 - format_penalty (the factor
+format_penalty puts on a malformed correct answer) and ``F`` = format_score when well formed,
+else 0::
+
+    correct:                          score = m
+    wrong, answered, QA, f1 > 0:      score = max(F, partial_credit * f1 * m)
+    otherwise (no answer, f1 = 0):    score = F
+
+so partial credit never exceeds what the same episode would get if correct. It does not apply to
+multiple choice (a wrong option scores as before: ``letter_match`` decides, F1 is not used).
+With ``partial_credit`` > 0 the dict gains ``acc``, the correctness score (the score at
+``partial_credit`` = 0), so verl's validation core metric (``val-core/<source>/acc/mean@n``:
+verl picks ``acc`` over ``reward`` when the reward returns it) keeps measuring correctness while
+training is paid the shaped score. At 0 (the default) outputs and keys are exactly those without
+the knob: no ``acc`` key, so existing metric names stay ``val-core/<source>/reward/...``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from numbers import Real
 from typing import Any
@@ -30,6 +50,8 @@ MCQ_SOURCES = frozenset({"medqa", "medmcqa"})
 
 #: per-episode agent statistics the search_r1 loop puts in extra_fields (0.0 when absent)
 AGENT_STATS = ("searches", "valid_action_ratio", "finished", "agent_turns")
+#: the reward kwarg's full config path, for error messages
+PARTIAL_CREDIT_KEY = "reward.custom_reward_function.reward_kwargs.partial_credit"
 
 
 def _gold_fields(ground_truth: Any) -> tuple[list[str], dict[str, str] | None]:
@@ -48,6 +70,23 @@ def is_mcq(data_source: str, options: dict[str, str] | None) -> bool:
     return options is not None or str(data_source).lower().split("/")[0] in MCQ_SOURCES
 
 
+def check_partial_credit(value: Any) -> float:
+    """``value`` as a float when it is a finite real number in [0, 1]; else ``ValueError`` naming the setting."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0.0 <= value <= 1.0
+    if not ok:
+        raise ValueError(f"{PARTIAL_CREDIT_KEY}={value!r} is invalid: it must be a finite number in [0, 1]")
+    return float(value)
+
+
+def shaped_score(correctness: float, f1: float, well_formed: bool, partial: float, format_penalty: float) -> float:
+    """The score of a wrong, answered QA episode under ``partial`` > 0 (module docstring):
+    ``max(correctness, partial * f1 * m)`` when ``f1 > 0``, ``m`` = 1 if well formed else 1 - format_penalty."""
+    if f1 <= 0.0:
+        return correctness
+    m = 1.0 if well_formed else 1.0 - float(format_penalty)
+    return max(correctness, partial * f1 * m)
+
+
 def compute_score(
     data_source: str,
     solution_str: str,
@@ -55,14 +94,17 @@ def compute_score(
     extra_info: Mapping[str, Any] | None = None,
     format_score: float = 0.0,
     format_penalty: float = 0.0,
+    partial_credit: float = 0.0,
     **kwargs: Any,
 ) -> dict[str, float]:
     """Score one response; see the module docstring for the rule. Extra kwargs are ignored."""
+    partial = check_partial_credit(partial_credit)
     golds, options = _gold_fields(ground_truth)
     recorded = loop_verdict(extra_info)
     verdict = recorded if recorded is not None else text_verdict(solution_str)
     answer, well_formed = verdict.answer, verdict.well_formed
-    if is_mcq(data_source, options):
+    mcq = is_mcq(data_source, options)
+    if mcq:
         em = letter_match(answer, golds, options)
         f1 = sub_em = em
     elif answer is None:
@@ -70,7 +112,10 @@ def compute_score(
     else:
         em, f1, sub_em = exact_match(answer, golds), f1_score(answer, golds), substring_exact_match(answer, golds)
     correct_score = 1.0 if well_formed else 1.0 - float(format_penalty)
-    score = correct_score if em else (float(format_score) if well_formed else 0.0)
+    correctness = correct_score if em else (float(format_score) if well_formed else 0.0)
+    score = correctness
+    if partial > 0.0 and not mcq and not em and answer is not None:
+        score = shaped_score(correctness, f1, well_formed, partial, format_penalty)
     result = {
         "score": score,
         "em": em,
@@ -84,4 +129,6 @@ def compute_score(
     for key in AGENT_STATS:
         value = info.get(key)
         result[key] = float(value) if isinstance(value, Real) else 0.0
+    if partial > 0.0:
+        result["acc"] = correctness
     return result

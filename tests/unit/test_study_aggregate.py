@@ -434,3 +434,21 @@ def test_episodes_come_from_this_checkout_when_the_recorded_config_path_is_gone(
     assert _config_dir(gone) == CHECKOUT_CONFIG_DIR == _config_dir(here)
     assert _config_dir({"command": ["python"]}) is None
     assert episodes_per_step({}, _config_dir(gone)) == episodes_per_step({}, CHECKOUT_CONFIG_DIR) is not None
+
+
+def test_a_grid_mixing_reward_and_acc_runs_scores_each_by_its_core_metric(tmp_path):
+    """A run whose reward returns ``acc`` (partial_credit > 0) logs verl's core metric under ``acc`` and
+    the shaped reward under ``val-aux``; its scores are the ``acc`` ones, beside a run scored by ``reward``."""
+    out = tmp_path / "out"
+    make_cell(out, "demo", "grpo", 1, scores(0.3, 0.4, 0.2) + [train(s, 0.5) for s in range(1, 5)])
+    shaped = [
+        {"step": 2 * i, "data": {"val-core/s1/acc/mean@1": v, "val-aux/s1/reward/mean@1": v + 0.5}}
+        for i, v in enumerate((0.3, 0.4, 0.1))
+    ]
+    make_cell(out, "demo_partial_f1", "grpo", 1, shaped + [train(s, 0.8) for s in range(1, 5)])
+    runs = {r["regime"]: r for r in stability(collect(out), "t", "cmd")["runs"]}
+    plain, partial = runs["demo"], runs["demo_partial_f1"]
+    assert [v for _, v in plain["val_scores"]] == pytest.approx([0.3, 0.4, 0.2])
+    assert [v for _, v in partial["val_scores"]] == pytest.approx([0.3, 0.4, 0.1])  # acc, not the shaped 0.8-0.9
+    assert partial["final_val_by_source"] == {"s1": pytest.approx(0.1)}
+    assert (partial["collapsed"], plain["collapsed"]) == (True, False)  # 0.1 < half the peak 0.4; 0.2 is not

@@ -1,0 +1,206 @@
+"""``compute_score(partial_credit=...)``: the opt-in F1 shortcut reward (sorl_verl/rewards/score.py).
+
+At the default 0 every output is bit for bit the rule without the knob (a frozen copy of it below,
+against a few thousand random episodes); above 0 a wrong answered QA episode scores
+``max(F, partial_credit * f1 * m)``, multiple choice is unchanged, and ``acc`` carries the
+correctness score that verl's validation then reports as its core metric.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sorl_verl.rewards import compute_score
+from sorl_verl.rewards.extract import loop_verdict, text_verdict
+from sorl_verl.rewards.mcq import letter_match
+from sorl_verl.rewards.qa import exact_match, f1_score, substring_exact_match
+from sorl_verl.rewards.score import AGENT_STATS, MCQ_SOURCES, PARTIAL_CREDIT_KEY
+
+#: the keys compute_score returned before partial_credit existed (and still returns at 0)
+KEYS_WITHOUT_ACC = ("score", "em", "f1", "substring_em", "has_answer", "format_ok", "loop_record", *AGENT_STATS)
+
+
+def score_before_partial_credit(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: Mapping[str, Any] | None = None,
+    format_score: float = 0.0,
+    format_penalty: float = 0.0,
+) -> dict[str, float]:
+    """A frozen copy of compute_score's rule as it was before ``partial_credit`` (commit ed1d55e)."""
+    if isinstance(ground_truth, Mapping):
+        target, options = ground_truth.get("target", []), ground_truth.get("options")
+        options = {str(k): str(v) for k, v in options.items() if v is not None} if options else None
+    else:
+        target, options = ground_truth, None
+    golds = [target] if isinstance(target, str) else [str(t) for t in list(target)]
+    recorded = loop_verdict(extra_info)
+    verdict = recorded if recorded is not None else text_verdict(solution_str)
+    answer, well_formed = verdict.answer, verdict.well_formed
+    if options is not None or str(data_source).lower().split("/")[0] in MCQ_SOURCES:
+        em = letter_match(answer, golds, options)
+        f1 = sub_em = em
+    elif answer is None:
+        em = f1 = sub_em = 0.0
+    else:
+        em, f1, sub_em = exact_match(answer, golds), f1_score(answer, golds), substring_exact_match(answer, golds)
+    correct_score = 1.0 if well_formed else 1.0 - float(format_penalty)
+    result = {
+        "score": correct_score if em else (float(format_score) if well_formed else 0.0),
+        "em": em,
+        "f1": f1,
+        "substring_em": sub_em,
+        "has_answer": float(answer is not None),
+        "format_ok": float(well_formed),
+        "loop_record": float(recorded is not None),
+    }
+    info = extra_info or {}
+    for key in AGENT_STATS:
+        value = info.get(key)
+        result[key] = float(value) if isinstance(value, Real) else 0.0
+    return result
+
+
+# ------------------------------------------------------------------ random episodes
+
+WORDS = ["Paris", "Lyon", "France", "the", "city", "of", "Marie", "Curie", "Pierre", "B", "A", "Heparin", "1867", ","]
+OPTIONS = {"A": "Ibuprofen", "B": "Heparin", "C": "Warfarin", "D": "Aspirin"}
+phrase = st.lists(st.sampled_from(WORDS), min_size=0, max_size=5).map(" ".join)
+#: hedges and near misses share tokens with the golds below (QA: the partial-credit branch; MCQ: none)
+near_miss = st.sampled_from(
+    ["Paris or Lyon", "Paris, France", "Marie Curie or Pierre Curie", "Curie", "the city", "C or B", "Heparin or Aspirin"]
+)
+answer_text = phrase | near_miss | st.text(max_size=12)
+wrappers = st.sampled_from(
+    [
+        "<think>t</think><answer>{}</answer>",  # well formed
+        "<answer>{}</answer>",  # well formed
+        "<answer>x <answer>{}</answer>",  # answered, malformed (nested)
+        "<think>a</think><search>q</search>\n\n<information>d</information>\n\n<answer>{}</answer>",
+        "<answer>{}",  # no answer
+        "{}",  # no tags
+        "<answer>{}</answer><think>after</think>",  # answer not last: no answer
+    ]
+)
+qa_truth = st.lists(phrase | st.sampled_from(["Paris", "Marie Curie", "City of Paris"]), min_size=1, max_size=3).map(
+    lambda golds: {"target": golds}
+) | st.sampled_from(["Paris", ["Lyon", "Paris"]])
+mcq_truth = st.sampled_from(sorted(OPTIONS)).map(lambda letter: {"target": [letter], "options": OPTIONS})
+record = st.none() | st.fixed_dictionaries(
+    {
+        "final_answer": answer_text,
+        "finished": st.sampled_from([0.0, 1.0, True]),
+        "well_formed": st.sampled_from([0.0, 1.0]),
+        "searches": st.integers(0, 4),
+        "agent_turns": st.integers(1, 5),
+    }
+)
+knob = st.sampled_from([0.0, 0.1, 0.25, -0.5, 1.0]) | st.floats(-2, 2, allow_nan=False)
+
+
+@st.composite
+def episodes(draw: st.DrawFn) -> dict[str, Any]:
+    """One compute_score call: a QA or MCQ source, a response, a ground truth, maybe a loop record."""
+    source = draw(st.sampled_from(["nq", "hotpotqa", "synthetic_2hop", "custom", "medqa", "medmcqa"]))
+    mcq = source in MCQ_SOURCES or draw(st.booleans()) and source == "custom"
+    truth = draw(mcq_truth if mcq else qa_truth)
+    return {
+        "data_source": source,
+        "solution_str": draw(wrappers).format(draw(answer_text)),
+        "ground_truth": truth,
+        "extra_info": draw(record),
+        "format_score": draw(knob),
+        "format_penalty": draw(knob),
+    }
+
+
+@settings(max_examples=3000)
+@given(call=episodes(), zero=st.sampled_from([0.0, 0, None]))
+def test_default_zero_is_bit_for_bit_the_rule_without_the_knob(call: dict[str, Any], zero: float | None) -> None:
+    expected = score_before_partial_credit(**call)
+    got = compute_score(**call) if zero is None else compute_score(**call, partial_credit=zero)
+    assert tuple(got) == KEYS_WITHOUT_ACC and tuple(expected) == KEYS_WITHOUT_ACC  # same keys, same order
+    for key in KEYS_WITHOUT_ACC:  # same values and types (0.0 and -0.0 told apart through copysign)
+        assert type(got[key]) is type(expected[key]), key
+        assert got[key] == expected[key] and math.copysign(1, got[key]) == math.copysign(1, expected[key]), key
+
+
+@settings(max_examples=1500)
+@given(call=episodes(), partial=st.floats(0.0, 1.0, exclude_min=True))
+def test_positive_partial_credit_follows_the_formula(call: dict[str, Any], partial: float) -> None:
+    base = score_before_partial_credit(**call)
+    got = compute_score(**call, partial_credit=partial)
+    assert tuple(got) == (*KEYS_WITHOUT_ACC, "acc")
+    assert got["acc"] == base["score"]  # correctness: the score at partial_credit 0
+    assert {k: v for k, v in got.items() if k not in ("score", "acc")} == {
+        k: v for k, v in base.items() if k != "score"
+    }
+    mcq = "options" in call["ground_truth"] if isinstance(call["ground_truth"], Mapping) else False
+    mcq = mcq or call["data_source"] in MCQ_SOURCES
+    if mcq or base["em"] or not base["has_answer"] or base["f1"] == 0.0:
+        assert got["score"] == base["score"]
+    else:
+        m = 1.0 if base["format_ok"] else 1.0 - call["format_penalty"]
+        assert got["score"] == max(base["score"], partial * base["f1"] * m)
+
+
+GT = {"target": ["Marie Curie"]}
+HEDGE = "<think>t</think><answer>Marie Curie or Pierre Curie</answer>"
+HEDGE_F1 = 4 / 7  # 5 answer tokens, 2 shared with the gold (curie once): P = 2/5, R = 1, 2PR/(P+R) = 4/7
+
+
+def test_hand_checked_cases() -> None:
+    assert f1_score("Marie Curie or Pierre Curie", GT["target"]) == pytest.approx(HEDGE_F1)
+    r = compute_score("nq", HEDGE, GT, partial_credit=1.0)
+    assert r["score"] == pytest.approx(HEDGE_F1) and r["acc"] == 0.0 and r["em"] == 0.0
+    assert compute_score("nq", HEDGE, GT, partial_credit=0.5)["score"] == pytest.approx(0.5 * HEDGE_F1)
+    # format_score wins when it pays more than the partial credit
+    assert compute_score("nq", HEDGE, GT, partial_credit=0.5, format_score=0.4)["score"] == pytest.approx(0.4)
+    # a correct answer scores as without the knob; acc agrees
+    right = compute_score("nq", "<answer>marie curie</answer>", GT, partial_credit=1.0)
+    assert (right["score"], right["acc"]) == (1.0, 1.0)
+    # malformed (nested answer): the partial credit takes format_penalty's factor 1 - format_penalty
+    nested = "<answer>x <answer>Marie Curie or Pierre Curie</answer>"
+    r = compute_score("nq", nested, GT, partial_credit=1.0, format_penalty=0.2)
+    assert r["format_ok"] == 0.0 and r["score"] == pytest.approx(0.8 * HEDGE_F1) and r["acc"] == 0.0
+    assert compute_score("nq", nested, GT, partial_credit=1.0)["score"] == pytest.approx(HEDGE_F1)
+    # no overlap, no answer, empty answer: no partial credit
+    assert compute_score("nq", "<answer>Lyon</answer>", GT, partial_credit=1.0)["score"] == 0.0
+    assert compute_score("nq", "<answer>Marie Curie", GT, partial_credit=1.0)["score"] == 0.0
+    assert compute_score("nq", "<answer></answer>", GT, partial_credit=1.0, format_score=-0.5)["score"] == -0.5
+    # the loop's record decides the answer, as without the knob
+    rec = {"final_answer": "Marie Curie or Pierre Curie", "finished": 1.0, "well_formed": 1.0}
+    assert compute_score("nq", "", GT, extra_info=rec, partial_credit=1.0)["score"] == pytest.approx(HEDGE_F1)
+
+
+def test_multiple_choice_gets_no_partial_credit() -> None:
+    gt = {"target": ["B"], "options": OPTIONS}
+    # a hedge over letters / option texts overlaps the gold in tokens (F1 0.5 against "B") but is no choice
+    assert f1_score("A or B", ["B"]) > 0 and f1_score("Heparin or Aspirin", [OPTIONS["B"]]) > 0
+    for answer in ("A or B", "Heparin or Aspirin", "A B", "Heparin, Aspirin", "C"):
+        for source in ("medqa", "custom"):
+            r = compute_score(source, f"<answer>{answer}</answer>", gt, partial_credit=1.0)
+            assert (r["score"], r["acc"], r["em"]) == (0.0, 0.0, 0.0), (source, answer)
+    r = compute_score("medmcqa", "<answer>B</answer>", {"target": ["B"]}, partial_credit=1.0)
+    assert (r["score"], r["acc"]) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan, math.inf, -math.inf, "0.5", None, True, [1.0]])
+def test_invalid_partial_credit_is_refused_naming_the_setting(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"partial_credit=.* is invalid: it must be a finite number in \[0, 1\]") as e:
+        compute_score("nq", "<answer>x</answer>", GT, partial_credit=bad)
+    assert PARTIAL_CREDIT_KEY in str(e.value)
+
+
+@pytest.mark.parametrize("ok", [0, 1, 0.0, 1.0, 0.5])
+def test_boundaries_are_accepted(ok: float) -> None:
+    r = compute_score("nq", HEDGE, GT, partial_credit=ok)
+    assert ("acc" in r) is (ok > 0)
