@@ -72,23 +72,35 @@ def clip_bias_stats(
     return norm, rel.clamp(max=1.0)
 
 
+def aggregation_mass(mask: torch.Tensor, loss_agg_mode: str, config: Any) -> torch.Tensor:
+    """``w = agg_loss(m)`` (float64, no gradient): the micro-batch's aggregation mass, its share of the
+    mini-batch loss. verl's ``agg_loss`` (with ``global_batch_info``) is linear in ``L``, so ``w`` is the
+    sum over the policy tokens of ``G = dl/dL`` (:func:`aggregation_weights`), without
+    ``rollout_is_weights``; 0 for a micro-batch without policy tokens (no 0/0). It weighs the micro-batch
+    in the step factor ``s`` (:func:`~sorl_verl.algorithms.optim.publish_normalizer`'s ``share``) and
+    scales its ``C(theta)`` to a whole mini-batch's (:func:`whole_batch_scale`)."""
+    if not bool(mask.any()):
+        return torch.zeros((), dtype=torch.float64, device=mask.device)
+    with torch.no_grad():
+        return agg_loss(loss_mat=mask.double(), loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
+
+
 def aggregation_weights(
     mask: torch.Tensor, loss_agg_mode: str, config: Any, dtype: torch.dtype, rollout_is_weights: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, sum of G)``: ``G = dl/dL`` per token. verl's ``agg_loss`` (with ``global_batch_info``) is
-    linear in ``L``, so its gradient at a zero probe is exactly the weight the loss gives each token;
-    ``G`` is then multiplied by ``rollout_is_weights`` as the loss applies them, 0 where ``m = 0``; the
-    sum (the micro-batch's aggregation mass, float64) is taken before that."""
+    """``(G, w)``: ``G = dl/dL`` per token and the micro-batch's aggregation mass ``w``
+    (:func:`aggregation_mass`). verl's ``agg_loss`` is linear in ``L``, so its gradient at a zero probe
+    is exactly the weight the loss gives each token; ``G`` is then multiplied by ``rollout_is_weights``
+    as the loss applies them, 0 where ``m = 0``."""
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     probe = torch.zeros(mask.shape, dtype=dtype, device=mask.device, requires_grad=True)
     with torch.enable_grad():
         aggregated = agg_loss(loss_mat=probe, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
         (weights,) = torch.autograd.grad(aggregated, probe, allow_unused=True, materialize_grads=True)
     weights = torch.where(mask, weights, zero)
-    mass = weights.sum(dtype=torch.float64)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.to(dtype)
-    return weights, mass
+    return weights, aggregation_mass(mask, loss_agg_mode, config)
 
 
 def whole_batch_mass(loss_agg_mode: str, batch_info: dict, horizon: int) -> float | None:
@@ -264,9 +276,7 @@ def sorl_policy_loss(
         at_update = knobs.clip_norm_apply == "update"
         if publish and active and at_update:
             check_step_scaling(config)
-        # this micro-batch's share of the mini-batch loss, its weight in the step factor s (optim.py)
-        loss_share = agg_loss(loss_mat=mask.double(), loss_mask=mask, loss_agg_mode=loss_agg_mode,
-                              **config.global_batch_info) if bool(runs.is_turn.any()) else zero.double()  # fmt: skip
+        loss_share = aggregation_mass(mask, loss_agg_mode, config)  # its weight in the step factor s (optim.py)
 
     if bool(runs.is_turn.any()):
         pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
