@@ -12,12 +12,28 @@ The product runs through the graph that produced ``log_prob`` (``torch.autograd.
 would accumulate ``.grad`` into, i.e. the actor's parameters as the forward used them (FSDP2's
 unsharded parameters). ``.grad`` is not touched, and no set of gradients is materialised: a hook on
 each leaf reduces its gradient to a float64 squared norm as autograd produces it and hands back a
-stride-0 zero, so the product adds at most one leaf's gradient (for scope ``global`` one all-reduce
-buffer of it) to the backward's own memory. Norms (float64)::
+stride-0 zero. Norms (float64)::
 
     scope = micro_batch: q = ||C_r||                      (this rank's micro-batch)
     scope = global:      q = ||mean over the data-parallel group of C_r||   (the ranks' C averaged as
                          FSDP averages their gradients; equals one rank holding all the data)
+
+Memory. The product keeps nothing alive that verl's backward would not hold anyway (``retain_graph``
+keeps the forward's saved activations ``A``, which verl's backward reads next), but it runs while all
+of ``A`` is alive, where verl's backward frees ``A`` as it goes. With ``b`` bytes per gradient element
+(4 in float32) and ``P_max`` the largest leaf's size, its extra peak over the step without it is::
+
+    extra <= W + 3 b P_max  (+ b P_max for scope global)
+
+``W`` the largest set of activation gradients alive at once in a backward (at the head: the gradients
+of the logits and log-softmax, a few ``B T V`` floats; in a block a few ``B T H``), independent of ``P``;
+``3 b P_max``: one leaf's gradient and its float64 copy for the norm; the all-reduce buffer of one
+leaf's gradient. Not a multiple of ``P``: no set of parameter gradients, and no float32 copy of one.
+On the CPU the process's resident set would grow by more: the pass frees each gradient between live
+activations, and glibc's heap does not reuse such holes for torch's aligned allocations, so without
+:func:`release_freed_heap` (called as each leaf's gradient arrives and after the pass) the resident
+set grew by the sum of everything the pass freed: 6.7 ``4P``-byte buffers for a 95.2M-parameter Qwen2
+at 4 x 2048 tokens (``scripts/bench/clip_bias_grad_memory.py``; docs/algorithms.md has the numbers).
 
 FSDP2's backward hooks fire during the product as in any backward: parameters are gathered again
 where they were resharded, and on the micro-batch that synchronizes gradients the accumulated
@@ -34,6 +50,7 @@ graph: its leaves are ``FlatParameter``s) and Megatron (seen in the actor config
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +61,12 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from sorl_verl.algorithms.parallel import data_parallel_group
-from sorl_verl.algorithms.strategies import FSDP1, diagnostic_off_reason, gradient_reference_refusal
+from sorl_verl.algorithms.strategies import (
+    FSDP1,
+    config_unsafe_strategy,
+    diagnostic_off_reason,
+    gradient_reference_refusal,
+)
 
 __all__ = [
     "DIAGNOSTIC",
@@ -130,6 +152,37 @@ def is_fsdp1_graph(leaves: list[torch.Tensor]) -> bool:
     return any(getattr(leaf, "_is_flat_param", False) for leaf in leaves)
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """The C library's ``malloc_trim`` (glibc), or None where it has none (musl, macOS, Windows)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_heap(device: torch.device) -> None:
+    """Give the pages of freed CPU tensors back to the system (glibc ``malloc_trim(0)``, microseconds).
+
+    The product runs while the forward's activations are alive, so the tensors it frees (each leaf's
+    gradient, the activation gradients) are holes between live blocks of glibc's heap (tensors below
+    its dynamic mmap threshold, up to 32 MiB, live there); torch allocates CPU tensors with
+    ``posix_memalign``, which glibc 2.36 serves from a hole only if the hole exceeds the request by the
+    alignment, so a same-sized hole is not reused and the heap grows by the freed tensors (in a fresh
+    process, 40 freed 6.75 MiB tensors each followed by a small live one grew RSS by 264 MiB, by 1 MiB
+    with ``MALLOC_MMAP_THRESHOLD_=65536``; how much depends on the heap's layout). Trimming returns those
+    pages: the tensors are the same, the resident set stops growing. Device tensors (CUDA's caching
+    allocator) are not glibc's: nothing to do off the CPU.
+    """
+    if _MALLOC_TRIM is not None and device.type == "cpu":
+        _MALLOC_TRIM(0)
+
+
 class _SquaredNorms:
     """Leaf hooks that reduce each gradient to its float64 squared norm as autograd produces it.
 
@@ -149,6 +202,7 @@ class _SquaredNorms:
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def reduce(grad: torch.Tensor) -> torch.Tensor:
+            release_freed_heap(grad.device)  # the earlier leaves' gradients, freed since (the module docstring)
             g = _local_tensor(grad)
             if self.group is not None:
                 buffer = torch.empty(g.numel() + 1, dtype=torch.promote_types(g.dtype, torch.float32), device=g.device)
@@ -198,6 +252,7 @@ def _vjp_norm(log_prob: torch.Tensor, cotangent: torch.Tensor, leaves: list[torc
             )
     finally:
         norms.remove()
+        release_freed_heap(log_prob.device)
     return norms.total(log_prob.device)
 
 
@@ -222,10 +277,9 @@ def _warn_once(message: str) -> None:
 
 def _unsafe_strategy(leaves: list[torch.Tensor], strategy: Any) -> str | None:
     """The strategy under which this graph's C(theta) cannot be taken: FSDP1 is seen in the graph (its
-    flat parameters), Megatron in the actor config (its kernels are not torch's); None where it can."""
-    if is_fsdp1_graph(leaves):
-        return FSDP1
-    return "megatron" if str(strategy) == "megatron" else None
+    flat parameters), the others of :data:`~sorl_verl.algorithms.strategies.UNSAFE_STRATEGIES` in the
+    actor config (:func:`~sorl_verl.algorithms.strategies.config_unsafe_strategy`); None where it can."""
+    return FSDP1 if is_fsdp1_graph(leaves) else config_unsafe_strategy(strategy)
 
 
 def clip_bias_gradient_norms(

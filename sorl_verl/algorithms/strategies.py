@@ -43,6 +43,14 @@ def unsafe_reason(strategy: Any) -> str | None:
     return UNSAFE_STRATEGIES.get(str(strategy)) if strategy is not None else None
 
 
+def config_unsafe_strategy(strategy: Any) -> str | None:
+    """``strategy`` if the actor config alone refuses C(theta) (Megatron: its kernels are not torch's, the
+    graph cannot show them), else None. FSDP1 is not decided here but in the graph (its flat parameters,
+    :func:`sorl_verl.algorithms.clip_bias_grad.is_fsdp1_graph`): a config saying ``fsdp`` over a plain
+    module still takes the product."""
+    return str(strategy) if str(strategy) != FSDP1 and unsafe_reason(strategy) is not None else None
+
+
 def gradient_reference_refusal(strategy: Any, reference: str) -> str:
     """The message that refuses ``clip_norm_reference=reference`` under ``strategy`` (naming the fix)."""
     return (
