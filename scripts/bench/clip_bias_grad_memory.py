@@ -12,7 +12,10 @@ with the parent included, the same baseline for every configuration):
     gradient    reference=gradient (one extra backward that drives Z)
 
 Prints each peak, its ratio to ``base`` and the extra over ``base`` in parameter-sized buffers
-(``(peak - base) / (4 P)``, P float32 parameters). The target: at most one. The default model has about
+(``(peak - base) / (4 P)``, P float32 parameters). The target: at most one. ``--live-tensors`` runs each
+configuration once more, under ``torch.profiler`` (``profile_memory=True``), and adds the peak of the
+bytes held by live tensors allocated during the step (the model's parameters excluded): what torch holds,
+without the C library's heap (the RSS extra of the previous code was glibc's, docs/algorithms.md). The default model has about
 100M parameters (``--model 100m``) at 4 x 2048 tokens; run it alone (both cores, minutes)::
 
     flock /tmp/sorl-heavy.lock .venv/bin/python scripts/bench/clip_bias_grad_memory.py
@@ -49,20 +52,58 @@ MODELS: dict[str, dict[str, int]] = {
 CONFIGURATIONS = {"base": ("relative", False), "diagnostic": ("relative", True), "gradient": ("gradient", False)}
 
 
-def one_step(model_name: str, rows: int, length: int, threads: int, configuration: str) -> dict[str, Any]:
-    """Run one step of ``configuration`` in this process; its peak RSS (MiB) and what the loss logged."""
-    import transformers
-    from verl.workers.config import ActorConfig
+def live_tensor_peak_mib(profiler: Any) -> float:
+    """The peak of the bytes held by tensors allocated while ``profiler`` recorded (its memory events, in order)."""
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
-    from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
-    from sorl_verl.algorithms.config import SORLPolicyLossConfig
-    from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
+
+def one_step(
+    model_name: str, rows: int, length: int, threads: int, configuration: str, live: bool = False
+) -> dict[str, Any]:
+    """Run one step of ``configuration`` in this process; its peak RSS (MiB) and what the loss logged (with
+    ``live``, the step runs under ``torch.profiler`` and the peak of live tensor bytes is returned instead)."""
+    import contextlib
+
+    import transformers
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**MODELS[model_name], max_position_embeddings=length, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
     params = sum(p.numel() for p in model.parameters())
+    profiler = (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        if live
+        else contextlib.nullcontext()
+    )
+    with profiler:
+        metrics = _step(model, config, rows, length, configuration)
+    if live:
+        return {"peak_live_tensor_mib": live_tensor_peak_mib(profiler)}
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return {
+        "peak_rss_mib": peak_mib,
+        "parameters": params,
+        "clip_bias_grad_norm": metrics.get("sorl/clip_bias_grad_norm"),
+        "turn_clipfrac": metrics["sorl/turn_clipfrac"],
+    }
+
+
+def _step(model: Any, config: Any, rows: int, length: int, configuration: str) -> dict[str, Any]:
+    """Forward, float32 log-probs, the ``so_grpo`` loss of ``configuration`` and its backward; the loss's metrics."""
+    from verl.workers.config import ActorConfig
+
+    from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
+    from sorl_verl.algorithms.config import SORLPolicyLossConfig
+    from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
+
     ids = torch.randint(0, config.vocab_size, (rows, length))
     mask = multi_turn_mask(rows, length - 1, 4, 8)  # the response: every token after the first
     gen = torch.Generator().manual_seed(1)
@@ -83,13 +124,7 @@ def one_step(model_name: str, rows: int, length: int, threads: int, configuratio
     DIAGNOSTIC.due = diagnostic
     loss, metrics = compute_policy_loss_so_grpo(old_log_prob, log_prob, advantages, mask, "token-mean", actor)
     loss.backward()
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    return {
-        "peak_rss_mib": peak_mib,
-        "parameters": params,
-        "clip_bias_grad_norm": metrics.get("sorl/clip_bias_grad_norm"),
-        "turn_clipfrac": metrics["sorl/turn_clipfrac"],
-    }
+    return metrics
 
 
 def cpu_model_name() -> str:
@@ -109,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--small", action="store_true", help="tiny model, 2 x 64 tokens (seconds)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--live-tensors", action="store_true", help="also the peak of live tensor bytes (profiler)")
     args = parser.parse_args(argv)
     if args.small:
         args.model, args.rows, args.length = "tiny", 2, 64
@@ -124,6 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ) as pool:  # a fresh child per configuration: a high-water mark is per process
         for name in CONFIGURATIONS:
             steps[name] = pool.apply(one_step, (args.model, args.rows, args.length, args.threads, name))
+            if args.live_tensors:
+                live = pool.apply(one_step, (args.model, args.rows, args.length, args.threads, name, True))
+                steps[name].update(live)
     if not all(steps[name]["clip_bias_grad_norm"] for name in ("diagnostic", "gradient")):
         raise RuntimeError(f"nothing was clipped, so no extra backward ran: {steps}")
     base = steps["base"]["peak_rss_mib"]
@@ -141,6 +180,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "clip_bias_grad_norm": {name: step["clip_bias_grad_norm"] for name, step in steps.items()},
         "turn_clipfrac": steps["base"]["turn_clipfrac"],
     }
+    if args.live_tensors:
+        live_base = steps["base"]["peak_live_tensor_mib"]
+        result["peak_live_tensor_mib"] = {name: step["peak_live_tensor_mib"] for name, step in steps.items()}
+        result["live_extra_in_parameter_buffers"] = {
+            name: (step["peak_live_tensor_mib"] - live_base) / param_mib for name, step in steps.items()
+        }
     print(json.dumps(result, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -24,3 +24,13 @@ def test_small_mode_runs_each_configuration_and_reports_ratios(
     assert logged["base"] is None  # no product without the diagnostic or a gradient reference
     assert logged["diagnostic"] == logged["gradient"] > 0  # the same C(theta), once each
     assert "ru_maxrss" in result["measure"]
+
+
+def test_live_tensors_mode_adds_the_profiler_peak_of_each_configuration(
+    bench_script: Callable[[str], ModuleType],
+):
+    result = bench_script("clip_bias_grad_memory").main(["--small", "--threads", "1", "--live-tensors"])
+    live = result["peak_live_tensor_mib"]
+    assert set(live) == {"base", "diagnostic", "gradient"} and all(v > 0 for v in live.values())
+    assert result["live_extra_in_parameter_buffers"]["base"] == 0.0
+    assert set(result["peak_rss_mib"]) == set(live)  # the RSS run is still made, in its own process
