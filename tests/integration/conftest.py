@@ -7,16 +7,23 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-#: prepended to every gloo rank script; the script ends with ``finish("RESULT" + json.dumps(...))``:
+#: this folder, on sys.path here and in every gloo rank, for the helpers the rank tests share (_fsdp_ranks.py)
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+#: prepended to every gloo rank script (with this folder on its sys.path); the script ends with ``finish("RESULT" + json.dumps(...))``:
 #: a barrier (every rank is past its last collective), the result line flushed, then ``os._exit(0)``.
 #: Tearing gloo down (``destroy_process_group`` or interpreter exit) can abort a rank with "terminate
 #: called without an active exception" after the work is done; the result is what the tests check,
 #: so the ranks leave without that teardown.
-GLOO_FINISH = """
+GLOO_FINISH = f"""
 import os as _os, sys as _sys, torch.distributed as _dist
+_sys.path.insert(0, {HERE!r})
 def finish(line):
     _dist.barrier()
     print(line, flush=True)

@@ -7,29 +7,14 @@ of 8 rows, two of 4, two ranks of 4)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
+from _fsdp_ranks import load, rank_script
 from verl.workers.config import ActorConfig
 
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.losses import compute_policy_loss_so_grpo
-
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def load(relative: str) -> ModuleType:
-    """A test module by path (the test folders are no packages); the rank script does the same."""
-    path = TESTS / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 CASES = load("unit/test_algo_clip_bias_grad.py")
 TinyLM, problem, per_token_jacobian = CASES.TinyLM, CASES.problem, CASES.per_token_jacobian
@@ -70,17 +55,10 @@ def run_step(model, data, rank, world, reference, tau, engine_hooks):
     return metrics
 
 
-#: each rank: argv = rank, world, port, data path, this file (conftest.gloo_ranks)
-RANK_SCRIPT = """
-import importlib.util, json, sys, torch, torch.distributed as dist
+#: each rank (after the shared preamble: ``case`` is this file, ``data`` the saved problem)
+RANK_SCRIPT = rank_script("""
 from torch.distributed.fsdp import fully_shard
-spec = importlib.util.spec_from_file_location("fsdp_case", sys.argv[5])
-case = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(case)
 run_step, TinyLM = case.run_step, case.TinyLM
-rank, world, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-data = torch.load(path)
 out = {}
 for reference, tau in (("absolute", 1e30), ("gradient", 1e30), ("gradient", 1e-3)):
     model = TinyLM(seed=0)
@@ -91,7 +69,7 @@ for reference, tau in (("absolute", 1e30), ("gradient", 1e30), ("gradient", 1e-3
     grads = [p.grad.full_tensor().reshape(-1).tolist() for p in model.parameters()]
     out[f"{reference}-{tau:g}"] = {"metrics": metrics, "grads": grads}
 finish("RESULT" + json.dumps(out))
-"""
+""")
 
 
 def local_gradient_mass(data, world: int) -> torch.Tensor:
@@ -218,18 +196,9 @@ def split_qs(model, data, rank: int, world: int, micro_batches: int, scope: str)
     return qs
 
 
-#: argv = rank, world, port, data path, this file; world 1 splits 8 rows into 1 and 2 micro-batches, world 2 into 1 each
-SPLIT_SCRIPT = """
-import importlib.util, json, sys, torch, torch.distributed as dist
+#: world 1 splits 8 rows into 1 and 2 micro-batches, world 2 into 1 each (after the shared preamble)
+SPLIT_SCRIPT = rank_script("""
 from torch.distributed.fsdp import fully_shard
-spec = importlib.util.spec_from_file_location("fsdp_case", sys.argv[5])
-case = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(case)
-from sorl_verl.algorithms import optim
-rank, world, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-actor_optimizer = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # the actor's update-scaled optimizer (clip_norm_apply=update)
-data = torch.load(path)
 model = case.TinyLM(seed=0)
 for block in model.blocks:
     fully_shard(block)
@@ -239,7 +208,7 @@ for scope in ("micro_batch", "global"):
     for micro_batches in ((1, 2) if world == 1 else (1,)):
         out[f"{scope}-{micro_batches}"] = case.split_qs(model, data, rank, world, micro_batches, scope)
 finish("RESULT" + json.dumps(out))
-"""
+""")
 
 
 @pytest.fixture(scope="module")

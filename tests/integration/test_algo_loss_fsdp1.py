@@ -7,24 +7,9 @@ parameter gradients are the single-process ones (``use_orig_params`` False and T
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
-
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def load(relative: str) -> ModuleType:
-    """A test module by path (the test folders are no packages); the rank script does the same."""
-    path = TESTS / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from _fsdp_ranks import load, rank_script
 
 FSDP2_CASE = load("integration/test_algo_clip_bias_grad_fsdp.py")
 TinyLM, problem, shard, flat = FSDP2_CASE.TinyLM, FSDP2_CASE.problem, FSDP2_CASE.shard, FSDP2_CASE.flat
@@ -61,21 +46,11 @@ def so_grpo_step(model, data, rank: int, world: int, reference: str = "relative"
     return metrics
 
 
-#: each rank: argv = rank, world, port, data path, this file (conftest.gloo_ranks)
-RANK_SCRIPT = """
-import importlib.util, json, sys, warnings, torch, torch.distributed as dist
+#: each rank (after the shared preamble: ``case`` is this file, ``data`` the saved problem)
+RANK_SCRIPT = rank_script("""
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-spec = importlib.util.spec_from_file_location("fsdp1_case", sys.argv[5])
-case = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(case)
-import sorl_verl.plugin  # registers the losses into verl, as verl's import does in a worker
-from sorl_verl.algorithms import optim
 from sorl_verl.algorithms.clip_bias_grad import SecondBackwardUnsafe, is_fsdp1_graph, graph_leaves
-rank, world, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-actor_optimizer = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # the actor's update-scaled optimizer (clip_norm_apply=update)
-data = torch.load(path)
 
 def wrap(use_orig_params):
     return FSDP(case.TinyLM(seed=0), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
@@ -114,7 +89,7 @@ try:
 except SecondBackwardUnsafe as exc:
     out["refusal"] = str(exc)
 finish("RESULT" + json.dumps(out))
-"""
+""")
 
 
 @pytest.fixture(scope="module")
