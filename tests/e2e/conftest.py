@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -40,6 +41,69 @@ SMALL = [
     "trainer.val_before_train=False",
     "trainer.test_freq=-1",
 ]
+
+
+#: positions of one SMALL row: the CPU overlay's max_prompt_length (256) + SMALL's max_response_length
+SMALL_SEQ_LEN = 256 + 448
+
+
+@dataclass(frozen=True)
+class LogprobNoise:
+    """Float32 noise of the embedded model's token log-probs, from its weights and Fp32Bounds.
+
+    Two float32 evaluations of one token's log-prob (actor vs rollout engine, or the actor in two
+    batch compositions) differ by at most ``Fp32Bounds.logprob(config, seq_len, L)`` with ``L`` a bound
+    on |logit|: the final RMSNorm's output has L2 norm ``sqrt(hidden) * max|gamma|`` at most (the
+    normalized vector has norm ``sqrt(hidden)``), so ``|logit_v| <= sqrt(hidden) max|gamma| ||E_v||``
+    (the tied embedding row, or lm_head's). ``drift`` bounds how far every weight moved since (a
+    number of Adam steps, :meth:`adam_step`): gamma by ``drift``, a row's norm by ``sqrt(hidden)
+    drift``.
+    """
+
+    config: object
+    fp32: type
+    gamma: float
+    row_norm: float
+
+    @staticmethod
+    def adam_step(lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+        """The most one Adam(W) step moves a parameter (Kingma & Ba 2015, section 2.1): ``lr (1 - b1) /
+        sqrt(1 - b2)`` when ``1 - b1 > sqrt(1 - b2)`` (verl's betas: 3.16 lr), else ``lr``; plus AdamW's
+        decay ``lr * wd * |w|``, under ``lr`` for verl's wd 0.01 and weights below 100."""
+        b1, b2 = betas
+        return lr * max(1.0, (1 - b1) / math.sqrt(1 - b2)) + lr
+
+    def logit_bound(self, drift: float = 0.0) -> float:
+        root = math.sqrt(self.config.hidden_size)
+        return root * (self.gamma + drift) * (self.row_norm + root * drift)
+
+    def log_prob(self, drift: float = 0.0, seq_len: int = SMALL_SEQ_LEN) -> float:
+        """Bound on |log p_a - log p_b| of one token between two float32 evaluations."""
+        return self.fp32.logprob(self.config, seq_len, self.logit_bound(drift))
+
+    def prob(self, drift: float = 0.0, seq_len: int = SMALL_SEQ_LEN) -> float:
+        """Bound on |p_a - p_b| (``p <= 1``, ``|e^d - 1| <= e^|d| - 1``): verl's rollout_probs_diff_max."""
+        return math.expm1(self.log_prob(drift, seq_len))
+
+
+@pytest.fixture(scope="session")
+def adam_step() -> Callable[[float], float]:
+    """``adam_step(lr)``: the most one Adam(W) step at ``lr`` moves a parameter (:meth:`LogprobNoise.adam_step`)."""
+    return LogprobNoise.adam_step
+
+
+@pytest.fixture(scope="session")
+def logprob_noise(embedded, fp32) -> LogprobNoise:
+    """:class:`LogprobNoise` of the embedded QA default's warm-started model."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    model_dir = Path(embedded[0].model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    gamma = float(weights["model.norm.weight"].abs().max())
+    return LogprobNoise(config, fp32, gamma, float(head.double().norm(dim=1).max()))
 
 
 @dataclass
