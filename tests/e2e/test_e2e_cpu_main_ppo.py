@@ -22,11 +22,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROUNDING_KL = 0.5 * (64 * 1.1920929e-07) ** 2
 
 
+#: SMALL (tests/e2e/conftest.py): 4 prompts x 2 samples a step, up to 3 model turns an episode
+ROWS, MAX_TURNS = 8, 3
+#: verl's default clip_ratio: the trust region [1 - 0.2, 1 + 0.2] of a (turn) ratio
+CLIP_RATIO = 0.2
+
+
 def train_steps(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in records if "timing_s/step" in r["data"]}
 
 
-def assert_sorl_step_metrics(m: dict) -> None:
+def assert_sorl_step_metrics(m: dict, log_ratio_bound: float) -> None:
+    """SORL's metrics of an on-policy step (one update per rollout, so the loss's log-probs and the
+    old log-probs are two float32 evaluations of the same weights): every turn ratio within
+    ``exp(+-log_ratio_bound)`` (a turn's log-ratio is the mean of its tokens'), which is inside the
+    trust region, so no turn is clipped and the normalizer is exactly 1."""
     for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm"):
         assert math.isfinite(float(m[key])), (key, m[key])
     sorl = {k: float(v) for k, v in m.items() if "/sorl/" in k or k.startswith("sorl/")}
@@ -35,12 +45,25 @@ def assert_sorl_step_metrics(m: dict) -> None:
         key = f"actor/sorl/{name}"
         assert key in sorl, f"{key} missing; sorl metrics logged: {sorted(sorl)}"
         assert math.isfinite(sorl[key]), (key, sorl[key])
-    assert sorl["actor/sorl/norm_factor"] >= 1.0
-    # the batch is rolled out by the weights being trained: one update per rollout is on-policy
-    assert sorl["actor/sorl/turn_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert log_ratio_bound < math.log1p(CLIP_RATIO), log_ratio_bound  # the bound itself is inside the region
+    for name in ("turn_ratio_min", "turn_ratio_mean", "turn_ratio_max"):
+        assert abs(math.log(sorl[f"actor/sorl/{name}"])) <= log_ratio_bound, (name, sorl, log_ratio_bound)
+    assert sorl["actor/sorl/turn_clipfrac"] == 0.0 and sorl["actor/sorl/clip_bias_norm"] == 0.0, sorl
+    assert sorl["actor/sorl/norm_factor"] == 1.0 and sorl["actor/sorl/triggered"] == 0.0, sorl
 
 
-def test_so_ppo_steps_then_resume(guarded_so_ppo):
+def assert_episode_stats(m: dict) -> None:
+    """search_r1's per-episode stats (logged by the SORL trainer from the rows' extra_fields) against
+    the step's rewards: means of per-episode counts over the step's episodes, and EM (format_score 0)
+    pays 1 only for an answer the loop accepted, which finishes the episode."""
+    for key in ("agent/finished_ratio", "agent/searches_mean", "critic/score/mean"):
+        assert float(m[key]) * ROWS == round(float(m[key]) * ROWS), (key, m[key])  # k / 8: exact in binary
+    assert float(m["agent/finished_ratio"]) >= float(m["critic/score/mean"]), m
+    # a finished episode's answer is a valid action among at most MAX_TURNS turns
+    assert float(m["agent/valid_action_ratio"]) >= float(m["agent/finished_ratio"]) / MAX_TURNS, m
+
+
+def test_so_ppo_steps_then_resume(guarded_so_ppo, logprob_noise):
     """SORL's step metrics and verl's resume, read from the guard test's session run (tests/e2e/
     conftest.py: SO-PPO with a critic and the KL loss, small sizes, lr 1e-4, a forced collapse on
     steps 3-4, killed after step 5, resumed to step 6), so that no launch of its own is needed: steps
@@ -49,16 +72,17 @@ def test_so_ppo_steps_then_resume(guarded_so_ppo):
     run = guarded_so_ppo
     steps = run.first.train_steps()
     clean = {s: steps[s] for s in (1, 2)}  # before the fault injection (steps 3-4)
+    # the weights of steps 1-2 and of the resumed 5-6 (step 2's, restored) are at most 4 Adam steps from
+    # the initial ones at lr <= 1e-4
+    bound = logprob_noise.log_prob(drift=4 * logprob_noise.adam_step(run.lr))
     for m in clean.values():
-        assert_sorl_step_metrics(m)
+        assert_sorl_step_metrics(m, bound)
     # turns are runs of response_mask == 1: more than one turn in a row means the retrieved
     # <information> tokens between them were masked out of the policy loss
     assert max(float(m["actor/sorl/num_turns_mean"]) for m in clean.values()) > 1.0
     assert max(float(m["num_turns/max"]) for m in clean.values()) > 2  # verl's count: messages per episode
-    # search_r1's per-episode stats, logged by the SORL trainer from the rows' extra_fields
     for m in clean.values():
-        assert 0.0 <= float(m["agent/valid_action_ratio"]) <= 1.0
-        assert 0.0 <= float(m["agent/finished_ratio"]) <= 1.0
+        assert_episode_stats(m)
     assert max(float(m["agent/searches_mean"]) for m in clean.values()) > 0.0
     ckpt = run.first_ckpt  # as the killed run left it
     latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text().strip())
@@ -67,18 +91,19 @@ def test_so_ppo_steps_then_resume(guarded_so_ppo):
     resumed_steps = run.resumed.train_steps()
     assert sorted(resumed_steps) == [5, 6], "resume from global_step_4 trains only steps 5-6"
     for m in resumed_steps.values():
-        assert_sorl_step_metrics(m)
+        assert_sorl_step_metrics(m, bound)
         assert math.isfinite(float(m["critic/values/mean"]))  # the resumed run has its critic back
 
 
-def test_so_ppo_critic_values_reach_turn_level_gae(guarded_so_ppo):
+def test_so_ppo_critic_values_reach_turn_level_gae(guarded_so_ppo, logprob_noise):
     """SO-PPO with actor, critic and the KL loss's reference model (every model verl can place on the
     CPU worker), read from steps 1-2 of the guarded session run: before its fault injection, a plain
     2-step SO-PPO run at lr 1e-4."""
     first = guarded_so_ppo.first.train_steps()
     steps = {s: first[s] for s in (1, 2)}
+    bound = logprob_noise.log_prob(drift=logprob_noise.adam_step(guarded_so_ppo.lr))  # step 2: one Adam step moved
     for m in steps.values():
-        assert_sorl_step_metrics(m)
+        assert_sorl_step_metrics(m, bound)
         # the critic ran and was updated; so_ppo's estimator raises when no values reach it
         assert math.isfinite(float(m["critic/vf_loss"]))
         assert math.isfinite(float(m["critic/values/mean"]))
@@ -95,7 +120,9 @@ def test_so_ppo_critic_values_reach_turn_level_gae(guarded_so_ppo):
     assert kl[2] > 10 * ROUNDING_KL, kl
 
 
-def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedded, retrieval, small_overrides):
+def test_so_grpo_on_verls_stock_config_reaches_the_first_update(
+    tmp_path, embedded, retrieval, small_overrides, logprob_noise
+):
     """verl's own ``ppo_trainer`` (its ``sync`` trainer) with only the SORL flags and the actor's SORL
     optimizer (``optim.optimizer_impl``): the actor update runs the so_grpo loss and takes the
     update-scaled step (without the optimizer flag it stops at the first update naming it).
@@ -144,6 +171,6 @@ def test_so_grpo_on_verls_stock_config_reaches_the_first_update(tmp_path, embedd
     assert "'optimizer_impl': 'sorl_verl.algorithms.optim'" in text
     steps = train_steps([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
     assert sorted(steps) == [1]
-    assert_sorl_step_metrics(steps[1])
+    assert_sorl_step_metrics(steps[1], logprob_noise.log_prob())  # the initial weights
     assert "critic/values/mean" not in steps[1]  # no critic for so_grpo
     assert not (tmp_path / "ckpt" / "sorl_updates.jsonl").exists()  # override_optimizer_config=null: no update log
