@@ -18,6 +18,10 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch)
     warning_fall_rule: false      # aggregate's warning table also by the fall-below-the-best rule
                                   # (sorl_verl/study/warning_signals.py; no effect on the runs)
+    guard_controls: [demo]        # optional: the control regimes of the guard comparison, healthy
+                                  # runs where any guard restore is a false one (aggregate's
+                                  # <name>_guard.md, sorl_verl/study/guard_table.py; no effect on the
+                                  # runs); names of this grid's regimes
     seed_keys: [data.seed, ...]   # every key set to the cell's seed
     common: {key: value}          # overrides of every cell
     regimes:
@@ -81,6 +85,7 @@ GRID_KEYS = {
     "test_freq",
     "val_max_samples",
     "warning_fall_rule",
+    "guard_controls",
     "seed_keys",
     "common",
     "algorithms",
@@ -156,6 +161,8 @@ class Grid:
     warmstart_pin: Path | None = None
     #: without a pin: the digest this machine's build must have (None: any)
     warmstart_digest: str | None = None
+    #: the control regimes of the guard comparison (a guard restore there is a false one)
+    guard_controls: tuple[str, ...] = ()
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -470,6 +477,7 @@ def load_grid(path: str | Path) -> Grid:
                 name_of = next(n for n, v in raw_alg.items() if v is a)
                 raise a["_loc"].error(["algorithms", name_of, "per_regime", r], f"unknown regime {r!r}")
 
+    guard_controls = _guard_controls(loc, data.get("guard_controls"), regimes)
     base = {
         "trainer.total_training_steps": steps,
         "trainer.test_freq": test_freq,
@@ -497,7 +505,15 @@ def load_grid(path: str | Path) -> Grid:
         warning_fall_rule=warning_fall_rule,
         warmstart_pin=warmstart_pin,
         warmstart_digest=warmstart_digest,
+        guard_controls=guard_controls,
     )
+
+
+def _guard_controls(loc: _Located, value: Any, regimes: Mapping[str, Entry]) -> tuple[str, ...]:
+    """The optional ``guard_controls`` list: names of the grid's regimes (an empty tuple when absent)."""
+    if value is None:
+        return ()
+    return tuple(_names(loc, ["guard_controls"], value, regimes, "regime"))
 
 
 def _names(loc: _Located, keys: list[Any], value: Any, known: Iterable[str], what: str) -> list[str]:

@@ -244,6 +244,8 @@ def test_include_library_merged_key_by_key(tmp_path):
         (("steps: 4", "steps: 0"), 2, "integer >= 1"),
         (("steps: 4", "steps: 4\nwarning_fall_rule: sometimes"), 3, "must be true or false"),
         (("x.y: 1,", "x.y: {p: 1},"), 8, "a mapping is not an override value"),
+        (("steps: 4", "steps: 4\nguard_controls: [hot, cold]"), 3, "unknown regime 'cold' (known: hot)"),
+        (("steps: 4", "steps: 4\nguard_controls: []"), 3, "non-empty list of regime names"),
         (
             ("  - {regimes: [hot], algorithms: [a, b], seeds: [7]}\n", "  - {regimes: [hot], algorithms: [a, b]}\n"),
             11,
@@ -301,3 +303,10 @@ def test_only_the_learning_grid_adds_the_fall_rule_to_its_warning_table(tmp_path
     on = textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nwarning_fall_rule: true")
     grid, plain = load_grid(write(tmp_path, on, "on.yaml")), load_grid(write(tmp_path, BASE))
     assert grid.warning_fall_rule and grid.cells == plain.cells  # no effect on what the cells run
+
+
+def test_guard_controls_name_the_control_regimes(tmp_path):
+    assert load_grid(write(tmp_path, BASE)).guard_controls == ()
+    grid = load_grid(write(tmp_path, textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nguard_controls: [hot]")))
+    assert grid.guard_controls == ("hot",)
+    assert load_grid(STUDY / "natural.yaml").guard_controls == ("demo",)
