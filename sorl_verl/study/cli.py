@@ -12,7 +12,9 @@ cells by key ``<regime>/<algorithm>/seed<k>``: a plain string is a substring of 
 (``* ? [``) must match the whole key (``many_updates/grpo/*``). ``run`` takes the heavy-job lock
 per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study already runs
 under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png``,
-``stability_table.md`` and the per-run ``stability_runs.md`` (names from ``--name``) into ``--results`` (default: the repository's
+``stability_table.md``, the per-run ``stability_runs.md`` and, for a study with a guarded algorithm
+(``*_guard``), ``stability_guard.md`` (the guard's comparison and the GUARD-default verdict,
+:mod:`sorl_verl.study.guard_table`) (names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``; with
 ``--from-archive`` it reads the runs from the grid's archive instead of the run directory.
 ``archive`` writes every finished cell's ``cell.json`` and ``metrics.jsonl`` (and a guarded run's
@@ -237,6 +239,9 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     (results / f"{a.name}_runs.md").write_text(runs_table(data["runs"]))
     (results / f"{a.name}_headline.md").write_text(headline_table(data["runs"]))
     (results / f"{a.name}_warnings.md").write_text(warnings_md)
+    guard_md = _guard(found, data["runs"], grid, cells)
+    if guard_md is not None:
+        (results / f"{a.name}_guard.md").write_text(guard_md)
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:
@@ -277,6 +282,22 @@ def _warnings(found: list, runs: list[dict], fall_rule: bool = False) -> str:
         return text
     fell = [run_signals(r, trace, partial(fall_step, n=validation_size(rec))) for r, rec, trace in judged]
     return f"{text}\n{FALL_RULE}\n\n{markdown(score_signals(fell), fell, rule='fall')}"
+
+
+def _guard(found: list, runs: list[dict], grid: Grid, cells: list) -> str | None:
+    """The guard comparison and the GUARD-default verdict (:mod:`sorl_verl.study.guard_table`) for runs
+    that include a guarded algorithm (None otherwise): run records with their checkpoint and validation
+    seconds, the grid's control regimes and its planned seeds per (regime, algorithm)."""
+    from sorl_verl.study.guard_table import guard_report, has_guarded, run_timing
+
+    if not has_guarded(runs):
+        return None
+    traces = {(rec["regime"], rec["algorithm"], rec["seed"]): trace for rec, trace in found}
+    timed = [r | run_timing(traces[(r["regime"], r["algorithm"], r["seed"])]) for r in runs]
+    planned: dict[tuple[str, str], set[int]] = {}
+    for c in cells:
+        planned.setdefault((c.regime, c.algorithm), set()).add(c.seed)
+    return guard_report(timed, grid.guard_controls, planned)
 
 
 def _archive_path(a: argparse.Namespace, grid: Grid, root: Path | None) -> Path | None:
