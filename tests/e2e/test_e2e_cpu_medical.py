@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,23 @@ RUN_TIMEOUT_S = 1200
 SO_GRPO = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
 #: validation before training over 27 shuffled val questions (every type is among them)
 VALIDATION = ["trainer.val_before_train=True", "data.val_max_samples=27", "data.val_batch_size=27"]
+#: SMALL: 4 prompts x 2 samples a training step
+ROWS = 8
+#: the last <answer> block of an episode (the loop stops at the first, so it is the one it accepted)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def chosen_option(output: str, options: dict[str, str]) -> str | None:
+    """The option an episode's answer names plainly: its letter alone or an option's text alone
+    (case and surrounding blanks or a trailing period aside); None for no answer or anything else."""
+    answers = ANSWER.findall(output)
+    if not answers:
+        return None
+    text = answers[-1].strip().rstrip(".").strip()
+    if text.upper() in options:
+        return text.upper()
+    named = [letter for letter, option in options.items() if option.strip().lower() == text.lower()]
+    return named[0] if len(named) == 1 else None
 
 
 @pytest.fixture(scope="module")
@@ -82,22 +100,40 @@ def test_so_grpo_two_steps_on_the_medical_task(tmp_path, medical, medical_retrie
         medical,
         medical_retrieval.retrieve_url,
         [*small, *SO_GRPO, *VALIDATION, "trainer.total_training_steps=2", "trainer.save_freq=-1",
-         "trainer.resume_mode=disable"],
+         "trainer.resume_mode=disable", f"trainer.validation_data_dir={tmp_path / 'val'}"],
     )  # fmt: skip
     steps = {r["step"]: r["data"] for r in records if "timing_s/step" in r["data"]}
     assert sorted(steps) == [1, 2]
     for m in steps.values():
         for key in ("actor/pg_loss", "actor/loss", "actor/grad_norm", "actor/sorl/norm_factor"):
             assert math.isfinite(float(m[key])), (key, m[key])
-        # the MCQ reward: 1 for the clearly chosen gold option, else 0 (format_score 0)
-        assert 0.0 <= float(m["critic/score/min"]) <= float(m["critic/score/max"]) <= 1.0
+        # the MCQ reward: 1 for the clearly chosen gold option, else 0 (format_score 0): binary scores,
+        # their mean over the step's 8 episodes a multiple of 1/8
+        assert float(m["critic/score/min"]) in (0.0, 1.0) and float(m["critic/score/max"]) in (0.0, 1.0), m
+        assert float(m["critic/score/mean"]) * ROWS == round(float(m["critic/score/mean"]) * ROWS), m
     assert max(float(m["agent/searches_mean"]) for m in steps.values()) > 0.0
 
     val = next(r["data"] for r in records if any(k.startswith("val-core/") for k in r["data"]))
     means = {k.split("/")[1]: float(v) for k, v in val.items() if k.startswith("val-core/") and "/reward/mean@" in k}
     assert set(means) <= {data_source(t) for t in QUESTION_TYPES} and len(means) >= 5, sorted(val)
-    assert all(0.0 <= v <= 1.0 for v in means.values())
-    # the warm-start answers with the gold option's text (greedy 0.95 on 225 val questions in its own
-    # evaluation, AVX2 build of 1000 steps; 0.18 at the former 600, where the copy skill had not formed):
-    # well above a uniform guess over 4-5 options (0.225) in verl's greedy validation too
-    assert sum(means.values()) / len(means) > 0.4, means
+
+    # verl's dump of that validation (trainer.validation_data_dir): each episode's output, gold and
+    # score. Where the episode's answer names one option plainly (its letter or its text), the
+    # reward paid 1 exactly when that option is the gold one; an episode without an answer got 0
+    rows = [json.loads(line) for line in (tmp_path / "val" / "0.jsonl").read_text().splitlines()]
+    assert len(rows) == 27
+    named = {True: 0, False: 0}
+    for row in rows:
+        gold = row["gts"]  # the row's ground truth; verl writes its numpy target array with str()
+        target = gold["target"] if isinstance(gold["target"], list) else re.findall(r"[A-Z]", gold["target"])
+        options = {k: v for k, v in gold["options"].items() if v}  # a 4-option question has no E
+        target = {t.strip().upper() for t in target}
+        choice = chosen_option(row["output"], options)
+        if choice is not None:
+            named[choice in target] += 1
+            assert float(row["score"]) == float(choice in target), (choice, target, row["score"], row["output"][-300:])
+        elif not ANSWER.search(row["output"]):
+            assert float(row["score"]) == 0.0, row["output"][-300:]
+    # the warm-started model answers some questions with the gold option (its own evaluation: 0.95 of
+    # 225 greedy), so the scoring path from generation to a reward of 1 is exercised
+    assert named[True] >= 1, (named, [r["output"][-200:] for r in rows[:3]])
