@@ -17,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "recipe" / "sorl" / "config"
 SO_GRPO = ["algorithm.adv_estimator=so_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=so_grpo"]
+#: the recipes' clip_norm_tau (sorl_trainer.yaml), which this run keeps
+TAU = 0.2
+#: float64 unit roundoff (the update log's s, Z and 1/Z are float64)
+FP64_U = 2.0**-53
 
 FSDP1_TWO_RANKS = [
     "actor_rollout_ref.actor.strategy=fsdp",
@@ -55,7 +60,6 @@ def test_so_grpo_trains_under_fsdp1_on_two_ranks(tmp_path, main_ppo):
             assert math.isfinite(float(m[key])), (key, m[key])
         for name in SORL_METRICS:
             assert math.isfinite(float(m[f"actor/sorl/{name}"])), (name, m.get(f"actor/sorl/{name}"))
-        assert float(m["actor/sorl/norm_factor"]) >= 1.0
         # the parameter-space diagnostic is off under FSDP1 (its extra backward breaks FSDP1's), with
         # one warning per rank (sorl_verl/algorithms/strategies.py)
         assert "actor/sorl/clip_bias_grad_norm" not in m
@@ -70,6 +74,20 @@ def test_so_grpo_trains_under_fsdp1_on_two_ranks(tmp_path, main_ppo):
     # epochs x 1 mini-batch) measures every parameter change, and a gradient reached the actor
     updates = [json.loads(line) for line in (tmp_path / "ckpt" / "sorl_updates.jsonl").read_text().splitlines()]
     assert len(updates) == 4
+    # the normalizer on two FSDP1 ranks: each of rank 0's micro-batches (the log is rank 0's) has Z = the
+    # loss's max(1, rho / tau) (one float64 division: within one ulp) and 1/Z its reciprocal. The step
+    # factor s is the share-weighted mean of 1/Z over BOTH ranks' micro-batches (one all-reduce, optim.py),
+    # so it need not lie within rank 0's own 1/Z: here step 2's last update had Z = 1 on rank 0 and
+    # s = 0.778 from rank 1's clipping. It lies in (0, 1], is 1 on the on-policy first update, and some
+    # update was scaled
+    for u in updates:
+        for zi, ri, inv in zip(u["z"], u["clip_bias_rel"], u["inv_z"], strict=True):
+            exact = max(Fraction(1), Fraction(ri) / Fraction(TAU))
+            assert abs(Fraction(zi) - exact) <= FP64_U * exact, (zi, ri)
+            assert abs(Fraction(inv) * Fraction(zi) - 1) <= 2 * FP64_U, (inv, zi)
+        assert 0.0 < u["scale"] <= 1.0, u
+    assert updates[0]["scale"] == 1.0 and all(z == 1.0 for z in updates[0]["z"]), updates[0]  # on-policy
+    assert any(u["scale"] < 1.0 for u in updates), [u["z"] for u in updates]
     assert all(math.isfinite(u["update_norm"]) and u["update_norm"] > 0 for u in updates), updates
     assert max(float(m["actor/grad_norm"]) for m in steps.values()) > 0
     # a gradient update moved the policy: the step's second update sees turn ratios away from 1 by more
