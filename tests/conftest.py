@@ -302,3 +302,18 @@ def bench_script() -> Callable[[str], ModuleType]:
         return loaded[name]
 
     return load
+
+
+@pytest.fixture
+def sorl_optimizer():
+    """An update-scaled optimizer in this process, as verl's actor worker builds it
+    (``optimizer_impl=sorl_verl.algorithms.optim``); the ledger it reads from starts and ends each test
+    empty. Modules that need it for every test: ``pytestmark = pytest.mark.usefixtures("sorl_optimizer")``."""
+    import torch
+
+    from sorl_verl.algorithms import optim
+
+    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    optim.LEDGER.clear()
+    yield opt
+    optim.LEDGER.clear()

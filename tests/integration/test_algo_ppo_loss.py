@@ -65,13 +65,8 @@ def set_global_info(data: TensorDict, batch_num_tokens: int, global_batch_size: 
     tu.assign_non_tensor_data(data, "global_batch_size", global_batch_size)
 
 
-@pytest.fixture(autouse=True)
-def sorl_optimizer():
-    """The update-scaled optimizer verl's actor worker builds (optimizer_impl=sorl_verl.algorithms.optim)."""
-    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    optim.LEDGER.clear()
-    yield opt
-    optim.LEDGER.clear()
+#: the update-scaled optimizer of verl's actor worker, ledger emptied (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("sorl_optimizer")
 
 
 def actor(loss_mode: str, loss_agg_mode: str, **knobs) -> ActorConfig:

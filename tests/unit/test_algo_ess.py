@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import ActorConfig
 
-from sorl_verl.algorithms import losses, optim
+from sorl_verl.algorithms import losses
 from sorl_verl.algorithms.clip_bias_grad import DIAGNOSTIC
 from sorl_verl.algorithms.config import SORLPolicyLossConfig
 from sorl_verl.algorithms.ess import ESS_TOKEN, ESS_TURN, effective_sample_size, ess_metrics
@@ -22,13 +22,8 @@ from sorl_verl.algorithms.turns import segment_runs
 LN = math.log
 
 
-@pytest.fixture(autouse=True)
-def sorl_optimizer():
-    """An update-scaled optimizer in this process (as in verl's actor worker), its ledger emptied."""
-    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    optim.LEDGER.clear()
-    yield opt
-    optim.LEDGER.clear()
+#: the update-scaled optimizer of verl's actor worker, ledger emptied (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("sorl_optimizer")
 
 
 def test_exact_value_on_hand_built_weights():

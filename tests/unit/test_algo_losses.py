@@ -31,15 +31,12 @@ ESS_KEYS = {"sorl/ess_token", "sorl/ess_turn"}
 
 
 @pytest.fixture(autouse=True)
-def sorl_optimizer():
-    """An update-scaled optimizer exists in this process, as in verl's actor worker; the ledger
-    it reads from starts and ends each test empty. The once-per-step ``sorl/clip_bias_grad_norm``
-    diagnostic is not due (tests/unit/test_algo_clip_bias_grad.py covers it), so key sets are fixed."""
-    opt = optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    optim.LEDGER.clear()
+def sorl_optimizer(sorl_optimizer):
+    """tests/conftest.py's update-scaled optimizer (ledger emptied) in every test; the once-per-step
+    ``sorl/clip_bias_grad_norm`` diagnostic is not due (tests/unit/test_algo_clip_bias_grad.py covers
+    it), so key sets are fixed."""
     DIAGNOSTIC.due = False
-    yield opt
-    optim.LEDGER.clear()
+    return sorl_optimizer
 
 
 def actor_config(**knobs) -> ActorConfig:
