@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from sorl_verl.study.measures import GUARD_SECONDS, LOST_FRACTION, MIN_GAIN
 from sorl_verl.study.metrics import Trace
-from sorl_verl.study.report import spread
+from sorl_verl.study.report import judged, spread
 
 #: a guarded algorithm's name ends in this; dropping it names its unguarded twin
 GUARD_SUFFIX = "_guard"
@@ -147,10 +147,6 @@ def has_guarded(runs: Iterable[Mapping]) -> bool:
     return any(twin(r["algorithm"]) for r in runs)
 
 
-def _judged(run: Mapping) -> bool:
-    return bool(run.get("judged")) and run.get("gain") is not None
-
-
 def by_cell(runs: Iterable[Mapping]) -> dict[tuple[str, str], dict[int, Mapping]]:
     """(regime, algorithm) -> seed -> run."""
     out: dict[tuple[str, str], dict[int, Mapping]] = defaultdict(dict)
@@ -188,8 +184,8 @@ def pairs(runs: Sequence[Mapping]) -> list[Pair]:
         base = twin(alg)
         if base is None:
             continue
-        g = {s: r for s, r in seeds.items() if _judged(r)}
-        u = {s: r for s, r in cells.get((regime, base), {}).items() if _judged(r)}
+        g = {s: r for s, r in seeds.items() if judged(r)}
+        u = {s: r for s, r in cells.get((regime, base), {}).items() if judged(r)}
         common = tuple(sorted(set(g) & set(u)))
         extra = [f"{name} also {','.join(map(str, sorted(set(mine) - set(common))))}"
                  for name, mine in ((alg, g), (base, u)) if set(mine) - set(common)]  # fmt: skip
@@ -374,7 +370,7 @@ class Part:
 def _missing(cells: Mapping[tuple[str, str], dict[int, Mapping]], regime: str, algs: Sequence[str]) -> list[str]:
     """The cells of :data:`RULE_SEEDS` without a judged run."""
     return [f"{regime}/{a}/seed{s}" for a in algs for s in RULE_SEEDS
-            if not _judged(cells.get((regime, a), {}).get(s, {}))]  # fmt: skip
+            if not judged(cells.get((regime, a), {}).get(s, {}))]  # fmt: skip
 
 
 def _compare(cells: Mapping, regime: str) -> Diff | None:

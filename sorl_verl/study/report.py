@@ -62,6 +62,11 @@ def _gain(values: Sequence[float], digits: int = 3) -> str:
     return spread(values, digits, "+")
 
 
+def judged(run: Mapping[str, Any]) -> bool:
+    """True for a run the study's tables count: judged by the collapse rule and with a gain."""
+    return bool(run.get("judged")) and run.get("gain") is not None
+
+
 def guarded(run: Mapping[str, Any]) -> bool:
     """True for a run that logged the collapse guard's metrics."""
     return run.get("guard_restores") is not None
@@ -86,21 +91,21 @@ def headline_table(runs: Sequence[Mapping[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if guard else ""),
     ]
     for (regime, algorithm), rs in by_regime_algorithm(runs):
-        judged = [r for r in rs if r.get("judged") and r.get("gain") is not None]
+        row_runs = [r for r in rs if judged(r)]
 
-        def vals(key: str, judged: list[Mapping[str, Any]] = judged) -> list[float]:
-            return [r[key] for r in judged if r.get(key) is not None]
+        def vals(key: str, row_runs: list[Mapping[str, Any]] = row_runs) -> list[float]:
+            return [r[key] for r in row_runs if r.get(key) is not None]
 
         walls = [r["wall_s"] for r in rs if r.get("wall_s") is not None]
         seeds = ",".join(str(r["seed"]) for r in sorted(rs, key=lambda r: r["seed"]))
-        unjudged = len(rs) - len(judged)
+        unjudged = len(rs) - len(row_runs)
         per_k = vals("gain_per_1k_episodes")
         wall = f"{statistics.mean(walls):.0f}" if walls else "-"
         lines.append(
             f"| {regime} | {algorithm} | {seeds}{f' ({unjudged} not judged)' if unjudged else ''} "
             f"| {_gain(vals('gain'))} | {_gain(vals('peak_gain'))} "
-            f"| {sum(bool(r['collapsed']) for r in judged)}/{len(judged)} "
-            f"| {sum(bool(r.get('lost_gain')) for r in judged)}/{len(judged)} "
-            f"| {_gain(vals('auc_gain'))} | {_gain(per_k, 4)} | {wall} |" + (guard_cells(rs, judged) if guard else "")
+            f"| {sum(bool(r['collapsed']) for r in row_runs)}/{len(row_runs)} "
+            f"| {sum(bool(r.get('lost_gain')) for r in row_runs)}/{len(row_runs)} "
+            f"| {_gain(vals('auc_gain'))} | {_gain(per_k, 4)} | {wall} |" + (guard_cells(rs, row_runs) if guard else "")
         )
     return "\n".join(lines) + "\n"
