@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipe" / "sorl"
 SCRIPTS = sorted(p.name for p in RECIPE.glob("run_*.sh"))
 ALGOS = ("so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo")
-#: the collapse guard as GUARD=1 configures it (the learning study's settings)
+#: the collapse guard as GUARD=1 configures it (the learning study's settings; GUARD=0 is the default)
 STUDY_GUARD = GuardConfig(enable=True, drop=0.3, patience=1, backoff=0.5, backoff_target="lr", max_restores=3)
 #: ALGO -> (algorithm.adv_estimator, policy_loss.loss_mode, critic on)
 ALGO_TABLE = {
@@ -134,7 +134,9 @@ def test_the_issue_s_scripts_exist_and_share_one_helper():
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
-    argv, _ = dry_run(script, ALGO=algo, MODEL_PATH=str(tiny_model))
+    # every script composes with the guard off (the default) and on: GUARD=1 for every other ALGO
+    guarded = ALGOS.index(algo) % 2 == 1
+    argv, _ = dry_run(script, ALGO=algo, MODEL_PATH=str(tiny_model), **({"GUARD": "1"} if guarded else {}))
     cfg = compose_argv(argv)
     built = check_with_verl(cfg)
     adv, loss, critic = ALGO_TABLE[algo]
@@ -157,10 +159,15 @@ def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
     assert cfg.data.max_response_length == 4 * 500 + 3 * 500
     if algo == "gspo":
         assert (built["actor"].clip_ratio_low, built["actor"].clip_ratio_high) == (0.0003, 0.0004)
-    assert built["guard"] == STUDY_GUARD and cfg.trainer.test_freq == 50  # GUARD=1, the default
-    # GUARD=1 bounds verl's rotation; verl's checkpoint defaults pass the guard's start-up refusals
-    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (3, 3)
-    assert built["actor"].checkpoint.async_save is False
+    assert cfg.trainer.test_freq == 50
+    if guarded:
+        assert built["guard"] == STUDY_GUARD
+        # GUARD=1 bounds verl's rotation; verl's checkpoint defaults pass the guard's start-up refusals
+        assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (3, 3)
+        assert built["actor"].checkpoint.async_save is False
+    else:  # GUARD=0, the default: no guard, verl's own rotation (keep all)
+        assert not built["guard"].enable and not any(a.startswith("sorl.guard.") for a in argv)
+        assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (None, None)
 
 
 def test_default_models_and_sizes_on_the_printed_command():
@@ -222,6 +229,7 @@ def test_async_trainer_modes_carry_staleness_and_satisfy_verl_s_asserts(mode, ti
         STALENESS="2",
         NUM_MINI_BATCHES="4",
         WARMUP_BATCHES="2",
+        GUARD="1",
     )
     cfg = compose_argv(argv)
     assert check_with_verl(cfg)["guard"] == STUDY_GUARD  # the guard runs in all three SORL trainers
@@ -256,6 +264,7 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ROLLOUT_ENGINE=engine,
         TRAIN_TP="2",
         TRAIN_PP="2",
+        GUARD="1",
     )
     cfg = compose_argv(argv)
     built = check_with_verl(cfg)
@@ -285,8 +294,14 @@ def test_megatron_and_sglang_engines_compose(strategy, engine, tiny_model):
         ({"STALENESS": "0"}, "STALENESS must be a positive integer"),
         ({"ROLLOUT_ENGINE": "trtllm"}, "ROLLOUT_ENGINE must be vllm or sglang"),
         ({"GUARD": "true"}, "GUARD must be 0 (off) or 1 (the collapse guard, docs/guard.md), got 'true'"),
-        ({"TEST_FREQ": "0"}, "GUARD=1 (the collapse guard) chooses its best checkpoint by validation, but TEST_FREQ=0"),
-        ({"STRATEGY": "megatron", "ALGO": "grpo"}, "GUARD=1 (the collapse guard) with STRATEGY=megatron backs off"),
+        (
+            {"TEST_FREQ": "0", "GUARD": "1"},
+            "GUARD=1 (the collapse guard) chooses its best checkpoint by validation, but TEST_FREQ=0",
+        ),
+        (
+            {"STRATEGY": "megatron", "ALGO": "grpo", "GUARD": "1"},
+            "GUARD=1 (the collapse guard) with STRATEGY=megatron backs off",
+        ),
     ],
 )
 def test_bad_settings_fail_before_anything_starts(env, message):

@@ -1,6 +1,6 @@
 """The validation-only path end to end on CPU: a run script with PLATFORM=cpu trains the embedded
 default for one step (verl main_ppo, hf rollout, search_r1 agent loop, live BM25 server; the
-collapse guard on, as in every recipe run, so step 1's validation is its best checkpoint), then
+collapse guard on, GUARD=1, so step 1's validation is its best checkpoint), then
 VAL_ONLY=1 evaluates that checkpoint through verl's own validation (``trainer.val_only=True``)
 into ``<run>/eval/step_1/`` and tabulates it. Greedy validation (the CPU overlay's val_kwargs), so
 the val-only EM of checkpoint 1 equals the EM the training launch validated at step 1."""
@@ -43,7 +43,7 @@ def test_train_one_step_then_validation_only_of_its_checkpoint(tmp_path):
         env.update(PLATFORM="cpu", PYTHON=sys.executable, OUTPUT_DIR=str(tmp_path), LOGGER="[console,file]",
                    MODEL_PATH=str(chatml_alias(paths.model_dir)), TRAIN_FILES=str(paths.parquet["train"]),
                    VAL_FILES=str(paths.parquet["val"]), VAL_MAX_SAMPLES="8", RETRIEVAL_URL=server.retrieve_url,
-                   TOTAL_STEPS="1", SAVE_FREQ="1", TEST_FREQ="1")  # fmt: skip
+                   TOTAL_STEPS="1", SAVE_FREQ="1", TEST_FREQ="1", GUARD="1")  # fmt: skip
         train = subprocess.run(
             ["bash", str(SCRIPT), *SMALL], env=env, capture_output=True, text=True, timeout=900, check=False
         )

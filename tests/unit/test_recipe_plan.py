@@ -5,10 +5,11 @@ The golden file holds what the bash implementation of ``recipe/sorl/common.sh`` 
 status) for 123 combinations of run script and variables, captured before the logic moved to
 Python: every script's defaults and its ``separate_async`` variant, every ``ALGO`` on GPU, CPU and
 Megatron, both async modes, engines, run naming, and every start-up failure. The planner must
-reproduce each of them exactly with ``GUARD=0`` (the bash recipe had no collapse guard); the run
-scripts' own defaults (``: "${NAME:=value}"``) are read from the scripts, as bash applies them.
-``GUARD=1`` (the default) is checked against that: the same command with the guard's overrides at
-the end of the experiment's. The GPU split and plan are checked as properties."""
+reproduce each of them exactly with its defaults, ``GUARD=0`` among them (the bash recipe had no
+collapse guard; GUARD=0 is the default again since the natural-collapse study's verdict,
+docs/results/natural_guard.md); the run scripts' own defaults (``: "${NAME:=value}"``) are read from
+the scripts, as bash applies them. ``GUARD=1`` is checked against that: the same command with the
+guard's overrides at the end of the experiment's. The GPU split and plan are checked as properties."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def planned(script: str, env: dict[str, str], extra: tuple[str, ...] = ()) -> tu
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=[c["name"] for c in GOLDEN["cases"]])
 def test_planner_reproduces_the_bash_recipe(case):
-    env = {"GUARD": "0", **case["env"]}
+    env = dict(case["env"])  # the recipe's defaults, GUARD=0 among them
+    assert "GUARD" not in env
     if case["rc"] == 0:
         out, err = planned(case["script"], env, tuple(case["extra"]))
         assert out.splitlines() == case["stdout"]
@@ -87,11 +89,11 @@ def test_bad_integers_name_their_variable():
     for name, value in (("GPUS_PER_NODE", "08"), ("STALENESS", "04"), ("TEST_FREQ", "-0x1")):  # as bash refused them
         with pytest.raises(RecipeError, match=rf"^{name} must be .*, got '{value}'"):
             planned("run_so_grpo_qwen2.5_3b_search.sh", {name: value})
-    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1", "GUARD": "0"})[0]
+    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1"})[0]
     with pytest.raises(RecipeError, match="^NUM_MINI_BATCHES must be a positive integer, got '0'"):
         planned("run_so_grpo_qwen2.5_3b_search.sh", {"NUM_MINI_BATCHES": "0"})  # bash: division by 0
     with pytest.raises(RecipeError, match="^MICRO_BATCH_SIZE must be a positive integer"):
-        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0", "GUARD": "0"})
+        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0"})
 
 
 def test_the_command_line_prints_the_dry_run_or_exits_2(monkeypatch, capsys, tmp_path):
@@ -164,10 +166,10 @@ MAIN = "run_so_grpo_qwen2.5_3b_search.sh"
         (MAIN, {"PLATFORM": "cpu", "ALGO": "s_ppo"}),
     ],
 )
-def test_guard_on_by_default_adds_the_study_settings_to_the_experiment(script, env):
-    off = build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "0"}, ["x.y=1"], "<r>")
-    on = build_launch({**BASE_ENV, **script_defaults(script), **env}, ["x.y=1"], "<r>")
-    assert build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "1"}, ["x.y=1"], "<r>") == on
+def test_guard_off_by_default_and_guard_1_adds_the_study_settings_to_the_experiment(script, env):
+    off = build_launch({**BASE_ENV, **script_defaults(script), **env}, ["x.y=1"], "<r>")
+    assert build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "0"}, ["x.y=1"], "<r>") == off
+    on = build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "1"}, ["x.y=1"], "<r>")
     books = off.command.index(next(a for a in off.command if a.startswith("trainer.logger=")))
     renamed = [a.replace(off.run.run_dir, on.run.run_dir).replace(off.run.experiment_name, on.run.experiment_name)
                for a in off.command[books:]]  # fmt: skip
@@ -178,7 +180,7 @@ def test_guard_on_by_default_adds_the_study_settings_to_the_experiment(script, e
 
 
 def test_trailing_hydra_arguments_still_win_over_the_guard_s_settings():
-    out, _ = planned(MAIN, {}, ("sorl.guard.patience=2",))
+    out, _ = planned(MAIN, {"GUARD": "1"}, ("sorl.guard.patience=2",))
     argv = out.splitlines()
     assert argv[-1] == "sorl.guard.patience=2" and argv.index("sorl.guard.patience=1") < len(argv) - 1
 
@@ -193,20 +195,21 @@ def test_guard_takes_0_or_1_and_names_itself(value):
 @pytest.mark.parametrize("test_freq", ["0", "-1"])
 def test_guard_without_validations_stops_before_anything_starts(test_freq):
     with pytest.raises(RecipeError) as exc:
-        planned(MAIN, {"TEST_FREQ": test_freq})
+        planned(MAIN, {"TEST_FREQ": test_freq, "GUARD": "1"})
     assert str(exc.value).startswith(f"GUARD=1 (the collapse guard) chooses its best checkpoint by validation, "
                                      f"but TEST_FREQ={test_freq} runs none during training")  # fmt: skip
     assert "set TEST_FREQ > 0" in str(exc.value) and "or GUARD=0" in str(exc.value)
-    assert f"trainer.test_freq={test_freq}" in planned(MAIN, {"TEST_FREQ": test_freq, "GUARD": "0"})[0]
+    assert f"trainer.test_freq={test_freq}" in planned(MAIN, {"TEST_FREQ": test_freq})[0]  # GUARD=0, the default
     # validation only trains nothing: the guard is off there, whatever TEST_FREQ is
-    assert "sorl.guard.enable=false" in planned(MAIN, {"TEST_FREQ": test_freq, "VAL_ONLY": "1", "EVAL_STEP": "base"})[0]
+    val_only = {"TEST_FREQ": test_freq, "VAL_ONLY": "1", "EVAL_STEP": "base"}
+    assert "sorl.guard.enable=false" in planned(MAIN, {**val_only, "GUARD": "1"})[0]
 
 
 @pytest.mark.parametrize("algo", ["so_grpo", "so_ppo", "s_ppo"])
 def test_guard_on_megatron_backs_off_clip_norm_tau(algo):
     """Megatron's scheduler is not torch's, so the guard cannot scale its learning rate: with a SORL
     normalizer the recipe's guard lowers clip_norm_tau instead; FSDP keeps the lr backoff."""
-    env = {"STRATEGY": "megatron", "ALGO": algo}
+    env = {"STRATEGY": "megatron", "ALGO": algo, "GUARD": "1"}
     argv = planned("run_so_ppo_qwen2.5_7b_search.sh", env)[0].splitlines()
     assert "model_engine=megatron" in argv
     assert [a for a in argv if a.startswith("sorl.guard.")] == [
@@ -220,7 +223,7 @@ def test_guard_on_megatron_backs_off_clip_norm_tau(algo):
 
 @pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo", "turn_ppo"])
 def test_guard_on_megatron_without_a_normalizer_is_refused_naming_the_fixes(algo):
-    env = {"STRATEGY": "megatron", "ALGO": algo}
+    env = {"STRATEGY": "megatron", "ALGO": algo, "GUARD": "1"}
     with pytest.raises(RecipeError) as exc:
         planned("run_so_ppo_qwen2.5_7b_search.sh", env)
     message = str(exc.value)
@@ -236,8 +239,8 @@ def test_guard_on_megatron_without_a_normalizer_is_refused_naming_the_fixes(algo
 
 def test_validation_only_finds_the_training_run_and_runs_without_the_guard(tmp_path):
     env = {**BASE_ENV, "OUTPUT_DIR": str(tmp_path)}
-    train = build_launch(env, ["sorl.guard.patience=2"], "<r>")
-    val = build_launch({**env, "VAL_ONLY": "1", "EVAL_STEP": "base"}, ["sorl.guard.patience=2"], "<r>")
+    train = build_launch({**env, "GUARD": "1"}, ["sorl.guard.patience=2"], "<r>")
+    val = build_launch({**env, "GUARD": "1", "VAL_ONLY": "1", "EVAL_STEP": "base"}, ["sorl.guard.patience=2"], "<r>")
     assert val.run == train.run and val.work_dir == f"{train.run.run_dir}/eval/step_base"
     assert val.command.index("sorl.guard.enable=false") > val.command.index("sorl.guard.enable=true")
     assert val.command[-1] == "sorl.guard.patience=2"
