@@ -13,7 +13,7 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
     warmstart_digest: 4a317b47011afc65   # optional, without a pin: run only where this machine's own
                                   # build of the warm-start has this digest (runs compare only then)
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
-    steps: 20                     # trainer.total_training_steps of every cell
+    steps: 20                     # trainer.total_training_steps of every cell (a regime may set its own)
     test_freq: 5                  # trainer.test_freq (validation also at step 0)
     val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch)
     warning_fall_rule: false      # aggregate's warning table also by the fall-below-the-best rule
@@ -28,6 +28,8 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
       many_updates:
         description: 16 updates per rollout
         overrides: {actor_rollout_ref.actor.ppo_epochs: 4, actor_rollout_ref.actor.optim.lr: 5.0e-4}
+      long_run:
+        steps: 100                # optional: this regime's cells run 100 steps (default: the grid's steps)
     algorithms:
       grpo:
         overrides: {algorithm.adv_estimator: grpo, actor_rollout_ref.actor.policy_loss.loss_mode: vanilla}
@@ -48,6 +50,14 @@ of the other task is another grid file (and output directory). Entries of the gr
 overrides, later winning: run length and validation size < ``common`` < regime < algorithm <
 algorithm's ``per_regime[regime]`` < seed keys. Keys are plain hydra override keys (``+key`` to
 add a key the config lacks). Every error names the file and line.
+
+A cell's run length (:attr:`Cell.steps`) is its regime's ``steps`` where the regime sets one, else the
+grid's: it is the cell's ``trainer.total_training_steps`` (so no override may set that key), its
+progress (``step s/S``), its default wall limit and what "every step logged" (``done``) means. A
+regime without ``steps`` gives its cells exactly the overrides they had before the key existed, so
+their finished runs stay ``done``; setting or changing a regime's ``steps`` changes its cells'
+``trainer.total_training_steps`` and makes its finished runs ``changed``. ``test_freq`` stays
+grid-wide (its default is the grid's ``steps``).
 """
 
 from __future__ import annotations
@@ -94,6 +104,9 @@ GRID_KEYS = {
 }
 LIBRARY_KEYS = {"description", "seed_keys", "common", "algorithms", "regimes"}
 ENTRY_KEYS = {"description", "overrides", "per_regime", "sweep"}
+REGIME_KEYS = {"description", "overrides", "steps"}
+#: the hydra key of a cell's run length: set from ``steps`` (the grid's or the regime's), never overridden
+STEPS_KEY = "trainer.total_training_steps"
 SWEEP_KEYS = {"key", "label", "values"}
 CELL_KEYS = {"regimes", "algorithms", "seeds"}
 
@@ -110,6 +123,8 @@ class Entry:
     description: str = ""
     overrides: Mapping[str, Any] = field(default_factory=dict)
     per_regime: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: a regime's own run length (None: the grid's ``steps``); algorithms have none
+    steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,9 @@ class Cell:
     task: str = DEFAULT_TASK
     #: the grid's warm-start (a name of the task's ``WARM_STARTS``); one per grid, like the task
     warmstart: str = DEFAULT_WARMSTART
+    #: the cell's run length, its ``trainer.total_training_steps``: the regime's ``steps``, else the
+    #: grid's (every cell of :func:`load_grid` has it; None only in a cell made by hand: the grid's)
+    steps: int | None = None
 
     @property
     def key(self) -> str:
@@ -163,6 +181,10 @@ class Grid:
     warmstart_digest: str | None = None
     #: the control regimes of the guard comparison (a guard restore there is a false one)
     guard_controls: tuple[str, ...] = ()
+
+    def steps_of(self, cell: Cell) -> int:
+        """The cell's run length: its own ``steps`` (its regime's, else the grid's), the grid's when unset."""
+        return cell.steps if cell.steps is not None else self.steps
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -272,6 +294,11 @@ def _overrides(loc: _Located, keys: Sequence[Any], value: Any) -> dict[str, Any]
     for k, v in out.items():
         if not isinstance(k, str) or not KEY_RE.match(k):
             raise loc.error([*keys, k], "not a hydra override key (dotted name, optional + / ++ / ~ prefix)")
+        if k.lstrip("+~") == STEPS_KEY:
+            raise loc.error(
+                [*keys, k],
+                "a cell's run length is set by `steps` (the grid's, or a regime's `steps:`), not an override",
+            )
         if isinstance(v, dict):
             raise loc.error([*keys, k], "a mapping is not an override value; set its keys one by one")
         if isinstance(v, float) and not math.isfinite(v):
@@ -299,10 +326,12 @@ def _raw_entries(loc: _Located, section: str, data: Any) -> dict[str, dict[str, 
     for name, raw in _mapping(loc, [section], data).items():
         _name(loc, [section, name], name)
         raw = _mapping(loc, [section, name], raw)
-        _check_keys(loc, [section, name], raw, ENTRY_KEYS if section == "algorithms" else {"description", "overrides"})
+        _check_keys(loc, [section, name], raw, ENTRY_KEYS if section == "algorithms" else REGIME_KEYS)
         entry: dict[str, Any] = {"_loc": loc}
         if "description" in raw:
             entry["description"] = str(raw["description"])
+        if "steps" in raw:
+            entry["steps"] = _positive_int(loc, [section, name, "steps"], raw["steps"])
         if "overrides" in raw:
             entry["overrides"] = _overrides(loc, [section, name, "overrides"], raw["overrides"])
         if "per_regime" in raw:
@@ -325,6 +354,8 @@ def _sweep(loc: _Located, keys: list[Any], raw: Any) -> dict[str, Any]:
             raise loc.error(keys, f"a sweep needs '{k}'")
     if not isinstance(sweep["key"], str) or not KEY_RE.match(sweep["key"]):
         raise loc.error([*keys, "key"], "not a hydra override key")
+    if sweep["key"].lstrip("+~") == STEPS_KEY:
+        raise loc.error([*keys, "key"], "a cell's run length is set by `steps` (a regime's `steps:`), not swept")
     values = sweep["values"]
     if not isinstance(values, list) or not values or any(isinstance(v, dict | list) for v in values):
         raise loc.error([*keys, "values"], "must be a non-empty list of scalars")
@@ -351,6 +382,8 @@ def _merge(base: dict[str, dict[str, Any]], top: dict[str, dict[str, Any]]) -> d
             merged["per_regime"] = per
         if "sweep" in entry:
             merged["sweep"] = entry["sweep"]
+        if "steps" in entry:
+            merged["steps"] = entry["steps"]
     return out
 
 
@@ -363,6 +396,7 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
             "description": e.get("description", ""),
             "overrides": e.get("overrides", {}),
             "per_regime": e.get("per_regime", {}),
+            "steps": e.get("steps"),
         }
         sweep = e.get("sweep")
         if not sweep:
@@ -380,6 +414,7 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
                 description=desc,
                 overrides={**base["overrides"], sweep["key"]: v},
                 per_regime=base["per_regime"],
+                steps=base["steps"],
             )
             members.append(member)
         groups[name] = members
@@ -479,7 +514,7 @@ def load_grid(path: str | Path) -> Grid:
 
     guard_controls = _guard_controls(loc, data.get("guard_controls"), regimes)
     base = {
-        "trainer.total_training_steps": steps,
+        STEPS_KEY: steps,
         "trainer.test_freq": test_freq,
         "data.val_max_samples": val_max_samples,
         "data.val_batch_size": val_max_samples,
@@ -566,7 +601,9 @@ def _cells(
                         if (r, a, s) in seen:
                             continue
                         seen.add((r, a, s))
-                        merged: dict[str, Any] = {**base, **common, **regimes[r].overrides}
+                        # the regime's run length replaces the grid's in place (the keys keep their order)
+                        steps = regimes[r].steps or base[STEPS_KEY]
+                        merged: dict[str, Any] = {**base, STEPS_KEY: steps, **common, **regimes[r].overrides}
                         merged.update(algorithms[a].overrides)
                         merged.update(algorithms[a].per_regime.get(r, {}))
                         merged.update({k: s for k in seed_keys})
@@ -580,6 +617,7 @@ def _cells(
                                 overrides=overrides,
                                 task=task,
                                 warmstart=warmstart,
+                                steps=steps,
                             )
                         )
     return cells

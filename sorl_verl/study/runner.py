@@ -131,9 +131,11 @@ def cell_env(directory: Path) -> dict[str, str]:
     }
 
 
-def default_timeout_s(grid: Grid) -> float:
-    """Generous wall limit of one cell: 10 min of start-up slack + 1 min per step and per validation."""
-    return 600.0 + 60.0 * grid.steps + 60.0 * (1 + grid.steps // grid.test_freq)
+def default_timeout_s(grid: Grid, cell: Cell | None = None) -> float:
+    """Generous wall limit of one cell: 10 min of start-up slack + 1 min per step and per validation, over
+    the cell's steps (its regime's ``steps``, else the grid's; the grid's without a cell)."""
+    steps = grid.steps if cell is None else grid.steps_of(cell)
+    return 600.0 + 60.0 * steps + 60.0 * (1 + steps // grid.test_freq)
 
 
 # --- locks ----------------------------------------------------------------------------------
@@ -266,6 +268,7 @@ def run_cell(
             p.unlink()
     cmd = cell_command(grid, cell, inputs, directory)
     env_add = cell_env(directory)
+    steps = grid.steps_of(cell)
     record: dict[str, Any] = {
         "grid": grid.name,
         "grid_file": str(grid.path),
@@ -275,7 +278,7 @@ def run_cell(
         "seed": cell.seed,
         "task": cell.task,
         "warmstart": cell.warmstart,
-        "steps": grid.steps,
+        "steps": steps,
         "overrides": dict(cell.overrides),
         "command": cmd,
         "command_line": " ".join(f"{k}={shlex.quote(v)}" for k, v in env_add.items()) + " " + shlex.join(cmd),
@@ -312,7 +315,7 @@ def run_cell(
                 elapsed = time.monotonic() - t0
                 if len(trace.val_scores) > seen_vals or trace.last_step > seen_step:
                     seen_vals, seen_step = len(trace.val_scores), trace.last_step
-                    print(progress_line(tag, seen_step, grid.steps, trace, elapsed), file=out, flush=True)
+                    print(progress_line(tag, seen_step, steps, trace, elapsed), file=out, flush=True)
                 if exit_code is not None:
                     break
                 if elapsed > timeout_s:
@@ -332,9 +335,9 @@ def run_cell(
         os.killpg(proc.pid, signal.SIGKILL)
     trace = read_trace(directory / METRICS)
     wall = time.monotonic() - t0
-    complete = exit_code == 0 and trace.last_step >= grid.steps
+    complete = exit_code == 0 and trace.last_step >= steps
     if exit_code == 0 and not complete:
-        reason = f"exited 0 after step {trace.last_step} of {grid.steps}"
+        reason = f"exited 0 after step {trace.last_step} of {steps}"
     elif exit_code != 0 and not reason:
         reason = f"main_ppo exited with code {exit_code}"
     record.update(
@@ -446,11 +449,11 @@ def run_grid(
 ) -> dict[str, int]:
     """Run ``cells`` in order (done ones skipped); counts of the final states of these cells.
 
+    ``timeout_s``: the wall limit of every cell (default: each cell's :func:`default_timeout_s`).
     ``inputs``: give them to skip the embedded default and the server (tests); by default they
     are prepared under the lock of the first cell that has to run, and the server is stopped at
     the end.
     """
-    timeout_s = timeout_s or default_timeout_s(grid)
     counts = {"done": 0, "failed": 0, "unfilled": 0, "changed": 0, "ran": 0}
     server = None
     n = len(cells)
@@ -479,10 +482,13 @@ def run_grid(
                 waiting = f"{tag} waiting for {lock}"
                 with flocked(lock, lambda msg=waiting: print(msg, file=log, flush=True)) as fds:
                     if inputs is None:  # first cell to run: embedded default (built on first use) + server
-                        inputs, server = prepare_inputs(log, grid.task, grid.warmstart, grid.warmstart_pin, grid.warmstart_digest)
-                    print(f"{tag} start ({grid.steps} steps)", file=log, flush=True)
+                        inputs, server = prepare_inputs(
+                            log, grid.task, grid.warmstart, grid.warmstart_pin, grid.warmstart_digest
+                        )
+                    print(f"{tag} start ({grid.steps_of(cell)} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
-                    rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=timeout_s, out=log, pass_fds=fds)
+                    limit = timeout_s or default_timeout_s(grid, cell)
+                    rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=limit, out=log, pass_fds=fds)
                 counts["ran"] += 1
                 counts[rec["status"]] += 1
                 print(_finished_line(tag, rec, cell_dir(out, cell)), file=log, flush=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from sorl_verl.study.grid import PLACEHOLDER, GridError, format_value, load_grid, matches
+from sorl_verl.study.grid import PLACEHOLDER, STEPS_KEY, GridError, format_value, load_grid, matches
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "recipe" / "sorl" / "study"
@@ -310,3 +311,129 @@ def test_guard_controls_name_the_control_regimes(tmp_path):
     grid = load_grid(write(tmp_path, textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nguard_controls: [hot]")))
     assert grid.guard_controls == ("hot",)
     assert load_grid(STUDY / "natural.yaml").guard_controls == ("demo",)
+
+
+# --- a regime's own run length (``steps:``) ----------------------------------------------------
+
+STEPS_GRID = """\
+    name: t
+    steps: 4
+    test_freq: 2
+    seed_keys: [data.seed]
+    regimes:
+      short: {overrides: {x.y: 1}}
+      long:
+        description: a long run
+        steps: 10
+    algorithms:
+      a: {overrides: {x.z: 1}}
+    cells:
+      - {regimes: [short, long], algorithms: [a], seeds: [1, 2]}
+"""
+
+
+def test_a_regimes_steps_apply_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path):
+    grid = load_grid(write(tmp_path, STEPS_GRID))
+    assert grid.steps == 4 and grid.regimes["long"].steps == 10 and grid.regimes["short"].steps is None
+    assert {c.key: (c.steps, grid.steps_of(c), c.overrides[STEPS_KEY]) for c in grid.cells} == {
+        "short/a/seed1": (4, 4, "4"),
+        "short/a/seed2": (4, 4, "4"),
+        "long/a/seed1": (10, 10, "10"),
+        "long/a/seed2": (10, 10, "10"),
+    }
+    assert all(list(c.overrides)[0] == STEPS_KEY and c.overrides["trainer.test_freq"] == "2" for c in grid.cells)
+    # a regime without steps runs exactly the cells it ran before the key existed (finished runs stay done) ...
+    plain = load_grid(write(tmp_path, textwrap.dedent(STEPS_GRID).replace("    steps: 10\n", ""), "plain.yaml"))
+    assert [c for c in grid.cells if c.regime == "short"] == [c for c in plain.cells if c.regime == "short"]
+    assert {c.overrides[STEPS_KEY] for c in plain.cells} == {"4"}
+    # ... and so does a regime whose steps are the grid's: a cell changes only with its own run length
+    same = load_grid(write(tmp_path, textwrap.dedent(STEPS_GRID).replace("steps: 10", "steps: 4"), "same.yaml"))
+    assert same.cells == plain.cells
+    # Cell.steps unset (a cell made by hand): the grid's
+    assert grid.steps_of(replace(grid.cells[2], steps=None)) == 4
+
+
+def test_a_regimes_steps_merge_over_the_included_library(tmp_path):
+    write(
+        tmp_path,
+        """\
+        seed_keys: [data.seed]
+        regimes:
+          lib_long: {steps: 7}
+          lib_other: {steps: 7}
+        """,
+        name="lib.yaml",
+    )
+    grid = load_grid(
+        write(
+            tmp_path,
+            """\
+            include: lib.yaml
+            steps: 3
+            regimes:
+              lib_long: {description: kept}
+              lib_other: {steps: 5}
+            algorithms: {a: {}}
+            cells: [{regimes: [lib_long, lib_other], algorithms: [a], seeds: [1]}]
+            """,
+        )
+    )
+    assert {c.regime: c.overrides[STEPS_KEY] for c in grid.cells} == {"lib_long": "7", "lib_other": "5"}
+
+
+@pytest.mark.parametrize(
+    ("edit", "line", "words"),
+    [
+        (("steps: 10", "steps: 0"), 9, "regimes.long.steps: must be an integer >= 1, got 0"),
+        (("steps: 10", "steps: -3"), 9, "regimes.long.steps: must be an integer >= 1, got -3"),
+        (("steps: 10", "steps: 2.5"), 9, "regimes.long.steps: must be an integer >= 1, got 2.5"),
+        (("steps: 10", "steps: true"), 9, "regimes.long.steps: must be an integer >= 1, got True"),
+        (("steps: 10", "steps: ten"), 9, "regimes.long.steps: must be an integer >= 1, got 'ten'"),
+        (("steps: 10", "steps:"), 9, "regimes.long.steps: must be an integer >= 1, got None"),
+        (("steps: 10", "steps: [10]"), 9, "regimes.long.steps: must be an integer >= 1, got [10]"),
+        (("steps: 10", "stepz: 10"), 9, "regimes.long.stepz: unknown key (allowed: description, overrides, steps)"),
+        (("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, steps: 3}"), 11, "algorithms.a.steps: unknown key"),
+        # the run length is the steps key's alone: no override (any prefix) or sweep may set it
+        (("{x.y: 1}", "{trainer.total_training_steps: 8}"), 6, "regimes.short.overrides.trainer.total_training_steps"),
+        (("{x.z: 1}", "{++trainer.total_training_steps: 8}"), 11, "set by `steps`"),
+        (
+            ("seed_keys:", "common: {trainer.total_training_steps: 8}\nseed_keys:"),
+            4,
+            "common.trainer.total_training_steps",
+        ),
+        (
+            ("a: {overrides: {x.z: 1}}", "a: {sweep: {key: trainer.total_training_steps, values: [5, 9]}}"),
+            11,
+            "algorithms.a.sweep.key: a cell's run length is set by `steps`",
+        ),
+    ],
+)
+def test_bad_regime_steps_fail_at_load_naming_the_regime_and_key(tmp_path, edit, line, words):
+    text = textwrap.dedent(STEPS_GRID).replace(*edit)
+    assert text != textwrap.dedent(STEPS_GRID)
+    path = write(tmp_path, text)
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)
+
+
+def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
+    grid = load_grid(STUDY / "natural.yaml")
+    assert grid.steps == 50 and grid.regimes["demo_long100"].steps == 100
+    assert grid.cells[-1].key == "demo_long100/grpo/seed1"  # the search's last candidate, seed 1 first
+    assert [c.key for c in grid.cells if c.steps != 50] == ["demo_long100/grpo/seed1"]
+    long = grid.cells[-1]
+    demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
+    # no override of its own: the demo regime's three restate the recipe's values (the CPU overlay's
+    # 2 epochs x mini-batches of 4, the demo recipe's lr 3e-4)
+    assert dict(grid.regimes["demo_long100"].overrides) == {}
+    restated = dict(grid.regimes["demo"].overrides)
+    assert restated == {
+        f"{ACTOR}.ppo_epochs": cpu_default(f"{ACTOR}.ppo_epochs"),
+        f"{ACTOR}.ppo_mini_batch_size": cpu_default(f"{ACTOR}.ppo_mini_batch_size"),
+        f"{ACTOR}.optim.lr": yaml.safe_load((ROOT / "recipe/sorl/config/demo/early_stop.yaml").read_text())[
+            "actor_rollout_ref"
+        ]["actor"]["optim"]["lr"],
+    }
+    assert {k: v for k, v in demo.overrides.items() if k not in restated} == {**long.overrides, STEPS_KEY: "50"}
+    assert long.overrides[STEPS_KEY] == "100" and long.overrides["trainer.test_freq"] == "10"
