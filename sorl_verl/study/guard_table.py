@@ -444,12 +444,14 @@ def part_c(admitted: Sequence[Admission], runs: Sequence[Mapping], k: float = GU
 
 
 def decision(parts: Sequence[Part]) -> str:
-    """GUARD=1 when every part holds, GUARD=0 when one fails, else undecided."""
+    """GUARD=1 when every part holds, GUARD=0 when one fails; while none fails and some are undecided
+    the rule has not shown GUARD=1, so the default is GUARD=0 until it does (the rule keeps GUARD=1
+    only if all three hold), and the decision says it is provisional."""
     if any(p.status == FAILS for p in parts):
         return "GUARD=0 (a part fails)"
     if all(p.status == HOLDS for p in parts):
         return "GUARD=1 (every part holds)"
-    return "undecided (no part fails, some are undecided)"
+    return "GUARD=0 for now (undecided: no part fails, some lack cells; GUARD=1 needs all three to hold)"
 
 
 def verdict(
