@@ -47,6 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sorl_verl.study import measures
 from sorl_verl.study.metrics import parse_val_key, read_records
 
 #: step -> value, per metric key
@@ -258,14 +259,8 @@ def _draw_per_key(ax, runs: list[Run], panel: Panel, colours: list[str]) -> list
 
 
 def restore_steps(run: Run) -> list[int]:
-    """Steps at which the guard's restore count rose (counted from 0 before the first logged step)."""
-    steps, before = [], 0.0
-    for step, count in sorted(run.series.get(GUARD_RESTORES, {}).items()):
-        if math.isfinite(count) and count > before:
-            steps.append(step)
-        if math.isfinite(count):
-            before = count
-    return steps
+    """Steps at which the guard's restore count rose (:func:`sorl_verl.study.measures.restore_steps`)."""
+    return measures.restore_steps(run.series.get(GUARD_RESTORES, {}).items())
 
 
 def _mark_restores(ax, runs: list[Run], colours: list[str], per_key: bool) -> str:

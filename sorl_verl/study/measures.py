@@ -18,13 +18,15 @@ With the collapse guard on (``sorl.guard.enable=true``, docs/guard.md), :func:`g
 ``guard_restores`` (the last logged ``sorl/guard/restores``: the restores of the run, a resume
 included) and ``guard_s`` (the sum of ``timing_s/sorl_guard`` over the steps: the guard's own
 checkpoints of new bests and its restores); both are None for a run that logged neither (guard off),
-and such a run's record carries neither key (:attr:`GuardMeasures.logged`).
+and such a run's record carries neither key (:attr:`GuardMeasures.logged`). :func:`restore_steps` gives
+the steps at which ``sorl/guard/restores`` rose (the plots mark them; the rule replay cuts a guarded
+run at the first).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 #: a gain counts as one when the validation score rose at least this much over step 0 (one question
@@ -108,6 +110,18 @@ class GuardMeasures:
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
+
+
+def restore_steps(restores: Iterable[tuple[int, float]]) -> list[int]:
+    """The steps at which the ``(step, value)`` series of ``sorl/guard/restores`` rose (counted from 0
+    before the first logged step; non-finite values skipped): the guard's restores, in step order."""
+    steps, before = [], 0.0
+    for step, count in sorted(restores):
+        if math.isfinite(count) and count > before:
+            steps.append(step)
+        if math.isfinite(count):
+            before = count
+    return steps
 
 
 def guard_measures(restores: Sequence[tuple[int, float]], seconds: Sequence[tuple[int, float]]) -> GuardMeasures:

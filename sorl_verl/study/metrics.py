@@ -114,6 +114,9 @@ class Trace:
     train: dict[int, dict[str, float]] = field(default_factory=dict)
     #: (step, data_source -> score) for every validation logged
     validations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    #: step -> every numeric ``val-*`` metric logged at that step (verl's means, the SORL trainers'
+    #: question records): what the guard's rule reads, replayed by :mod:`sorl_verl.study.rule_replay`
+    val_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def last_step(self) -> int:
@@ -151,6 +154,9 @@ def parse_records(lines: list[str]) -> Trace:
         by_source = validation_by_source(data)
         if by_source:
             trace.validations.append((step, by_source))
+        val = {k: x for k, v in data.items() if k.startswith("val-") and (x := _number(v)) is not None}
+        if val:
+            trace.val_metrics.setdefault(step, {}).update(val)
         if "training/global_step" in data or "timing_s/step" in data:
             numbers = {k: x for k, v in data.items() if not k.startswith("val-") and (x := _number(v)) is not None}
             trace.train.setdefault(step, {}).update(numbers)

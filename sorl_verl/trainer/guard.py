@@ -6,6 +6,9 @@ The rule is :mod:`sorl_verl.trainer.guard_rule`; this module is its glue to verl
 - **Observation**: verl merges a validation's metrics into the step's metrics before
   ``_compute_metrics``; the mixin reads the validation score (and the warning metric) there,
   after the step's update, checkpoint save and weight sync.
+- **Validation records**: every validation, with the guard on or off, adds each source's number
+  of questions and the variance of their scores (``val-aux/<source>/<var>/questions``,
+  ``.../question_var``), which rule ``stderr`` reads; metrics only, nothing trained changes.
 - **Best checkpoint**: a validation that sets a new best gets a checkpoint of that step (verl's own
   ``_save_checkpoint``, skipped when ``trainer.save_freq`` already saved this step), and its
   files are hard-linked into ``<trainer.default_local_dir>/sorl_guard/best_step_<s>`` so that
@@ -316,13 +319,14 @@ class CollapseGuard:
 
     def _val_metrics_update(self, data_sources: Any, sample_uids: Any, reward_extra_infos_dict: dict,
                             sample_turns: Any, expected_acc_counts: dict | None = None) -> dict[str, float]:  # fmt: skip
-        """verl's validation metrics plus, with the guard on, each source's question count and score
-        variance (:func:`~sorl_verl.trainer.guard_rule.question_records`, rule ``stderr``)."""
+        """verl's validation metrics plus each source's question count and score variance
+        (:func:`~sorl_verl.trainer.guard_rule.question_records`), with the guard on or off: the guard's
+        rule ``stderr`` reads them, and the study replays that rule on unguarded runs
+        (:mod:`sorl_verl.study.rule_replay`). Metrics only: nothing trained depends on them."""
         metrics = super()._val_metrics_update(  # type: ignore[misc]
             data_sources, sample_uids, reward_extra_infos_dict, sample_turns, expected_acc_counts=expected_acc_counts
         )
-        if self.guard_active:
-            metrics.update(question_records(data_sources, sample_uids, reward_extra_infos_dict))
+        metrics.update(question_records(data_sources, sample_uids, reward_extra_infos_dict))
         return metrics
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:

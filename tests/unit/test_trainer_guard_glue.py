@@ -29,6 +29,7 @@ from verl.utils.torch_functional import get_constant_schedule_with_warmup
 
 from sorl_verl.trainer import guard as guard_module
 from sorl_verl.trainer.guard import CollapseGuard, GuardStopped
+from sorl_verl.trainer.guard_rule import GuardState
 from sorl_verl.trainer.guard_sampler import drop_collapsed_rollouts, install
 from sorl_verl.trainer.reproducible import DispatchOrderedSampler
 
@@ -469,3 +470,25 @@ def test_validation_records_carry_question_counts_and_the_stderr_rule_reads_them
     trainer.global_steps += 1
     trainer._compute_metrics(None, dict(metrics), {}, global_steps=1, epoch=0)
     assert trainer.guard_state.best_se == pytest.approx(((0.0625 / 2 + 0.25 / 2) ** 0.5) / 2)
+
+
+def test_validation_records_are_logged_with_the_guard_off_and_leave_verls_metrics_as_they_are(tmp_path):
+    sources = ["nq"] * 4 + ["hotpot"] * 2
+    uids = ["a", "a", "b", "b", "c", "d"]
+    extra = {"reward": [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]}
+    on = make(tmp_path / "on")._val_metrics_update(sources, uids, extra, [1] * 6)
+    off_trainer = make(tmp_path / "off", enable=False)
+    off = off_trainer._val_metrics_update(sources, uids, extra, [1] * 6)
+    verl = PPOTrainer._val_metrics_update(None, sources, uids, extra, [1] * 6)
+    records = {k: v for k, v in off.items() if k not in verl}
+    assert off == on and {k: off[k] for k in verl} == verl  # verl's own metrics unchanged
+    assert records == {
+        "val-aux/nq/reward/questions": 2.0, "val-aux/nq/reward/question_var": 0.0625,
+        "val-aux/hotpot/reward/questions": 2.0, "val-aux/hotpot/reward/question_var": 0.25,
+    }  # fmt: skip
+    # with the guard off the records are metrics only: no rule state, no guard metric, no checkpoint
+    off_trainer.global_steps += 1
+    step = dict(off)
+    off_trainer._compute_metrics(None, step, {}, global_steps=1, epoch=0)
+    assert step == off and off_trainer.guard_state == GuardState()
+    assert not (tmp_path / "off" / "ckpt").exists()
