@@ -1,7 +1,8 @@
 """The seeded off-policy stability study: verl ``main_ppo`` over a grid of algorithms x regimes x seeds.
 
 * :mod:`~sorl_verl.study.grid`: the grid YAML (``recipe/sorl/study/*.yaml``): named algorithms and
-  regimes (hydra overrides; a regime may set its own steps), seeds, steps; expanded into cells.
+  regimes (hydra overrides; a regime may set its own steps, test_freq and val_max_samples), seeds,
+  steps; expanded into cells.
 * :mod:`~sorl_verl.study.metrics`: verl's metrics file (file logger) read into per-step series.
 * :mod:`~sorl_verl.study.collapse`: the collapse rule, fixed before any run (pure function).
 * :mod:`~sorl_verl.study.runner`: one cell = one ``python -m verl.trainer.main_ppo`` run, the way

@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         "--rerun-changed", action="store_true", help="re-run finished cells whose overrides the grid has changed"
     )
     run.add_argument("--lock", default="/tmp/sorl-heavy.lock", help="flock file taken per cell, or 'none'")
-    run.add_argument("--cell-timeout", type=float, help="wall limit of one cell in s (default from the cell's steps)")
+    run.add_argument(
+        "--cell-timeout", type=float, help="wall limit of one cell in s (default from the cell's steps and test_freq)"
+    )
     run.add_argument("--dry-run", action="store_true", help="list the selected cells and their overrides")
 
     status = sub.add_parser("status", help="which cells are done / failed / pending")
@@ -153,6 +155,8 @@ def _cmd_status(a: argparse.Namespace, grid: Grid) -> int:
                 "state": state,
                 "steps": trace.last_step if trace else 0,
                 "steps_planned": grid.steps_of(c),
+                "test_freq": grid.test_freq_of(c),
+                "val_max_samples": grid.val_max_samples_of(c),
                 "wall_s": rec.get("wall_s"),
                 "final_val_score": vals[-1][1] if vals else None,
                 "exit_code": rec.get("exit_code"),

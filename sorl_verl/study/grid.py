@@ -14,8 +14,9 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
                                   # build of the warm-start has this digest (runs compare only then)
     include: presets.yaml         # library of algorithms/regimes (path relative to this file)
     steps: 20                     # trainer.total_training_steps of every cell (a regime may set its own)
-    test_freq: 5                  # trainer.test_freq (validation also at step 0)
-    val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch)
+    test_freq: 5                  # trainer.test_freq (validation also at step 0; a regime may set its own)
+    val_max_samples: 96           # data.val_max_samples = data.val_batch_size (one greedy batch; a regime
+                                  # may set its own)
     warning_fall_rule: false      # aggregate's warning table also by the fall-below-the-best rule
                                   # (sorl_verl/study/warning_signals.py; no effect on the runs)
     guard_controls: [demo]        # optional: the control regimes of the guard comparison, healthy
@@ -30,6 +31,8 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
         overrides: {actor_rollout_ref.actor.ppo_epochs: 4, actor_rollout_ref.actor.optim.lr: 5.0e-4}
       long_run:
         steps: 100                # optional: this regime's cells run 100 steps (default: the grid's steps)
+        test_freq: 5              # optional: and validate every 5 steps (default: the grid's test_freq)
+        val_max_samples: 100      # optional: on 100 questions (default: the grid's val_max_samples)
     algorithms:
       grpo:
         overrides: {algorithm.adv_estimator: grpo, actor_rollout_ref.actor.policy_loss.loss_mode: vanilla}
@@ -56,8 +59,20 @@ grid's: it is the cell's ``trainer.total_training_steps`` (so no override may se
 progress (``step s/S``), its default wall limit and what "every step logged" (``done``) means. A
 regime without ``steps`` gives its cells exactly the overrides they had before the key existed, so
 their finished runs stay ``done``; setting or changing a regime's ``steps`` changes its cells'
-``trainer.total_training_steps`` and makes its finished runs ``changed``. ``test_freq`` stays
-grid-wide (its default is the grid's ``steps``).
+``trainer.total_training_steps`` and makes its finished runs ``changed``.
+
+The validation protocol is per regime the same way: a cell's validation interval
+(:attr:`Cell.test_freq`, its ``trainer.test_freq``) and size (:attr:`Cell.val_max_samples`, its
+``data.val_max_samples`` and ``data.val_batch_size``: one greedy batch) are its regime's
+``test_freq`` / ``val_max_samples`` where set, else the grid's (the grid's ``test_freq`` defaults to
+the grid's ``steps``, its ``val_max_samples`` to 96); no override or sweep may set those three keys. The
+cell's ``test_freq`` is what its default wall limit counts validations by; the analysis reads each
+run's own validations and its recorded ``data.val_max_samples``. A regime without the keys gives
+its cells exactly the overrides they had before the keys existed (finished runs stay ``done``).
+Which questions a size of N picks: verl 0.9.1 (``RLHFDataset``) takes a seeded random choice of N
+rows, ``numpy.random.default_rng(data.seed).choice``, since ``data.shuffle`` is true; ``data.seed`` is
+the platform overlay's 42 and no committed grid makes it a seed key, so every cell and seed of a
+grid validates on the same N questions.
 """
 
 from __future__ import annotations
@@ -104,9 +119,25 @@ GRID_KEYS = {
 }
 LIBRARY_KEYS = {"description", "seed_keys", "common", "algorithms", "regimes"}
 ENTRY_KEYS = {"description", "overrides", "per_regime", "sweep"}
-REGIME_KEYS = {"description", "overrides", "steps"}
+REGIME_KEYS = {"description", "overrides", "steps", "test_freq", "val_max_samples"}
 #: the hydra key of a cell's run length: set from ``steps`` (the grid's or the regime's), never overridden
 STEPS_KEY = "trainer.total_training_steps"
+#: the hydra key of a cell's validation interval: set from ``test_freq`` (the grid's or the regime's)
+TEST_FREQ_KEY = "trainer.test_freq"
+#: the hydra keys of a cell's validation size (questions, and one batch of them): set from
+#: ``val_max_samples`` (the grid's or the regime's)
+VAL_SIZE_KEY = "data.val_max_samples"
+VAL_BATCH_KEY = "data.val_batch_size"
+#: hydra keys the grid sets from its own (or a regime's) keys, never from an override or sweep:
+#: key -> (what it is of a cell, the grid / regime key that sets it)
+SET_BY_GRID = {
+    STEPS_KEY: ("run length", "steps"),
+    TEST_FREQ_KEY: ("validation interval", "test_freq"),
+    VAL_SIZE_KEY: ("validation size", "val_max_samples"),
+    VAL_BATCH_KEY: ("validation size", "val_max_samples"),
+}
+#: a regime's own keys (positive ints, default the grid's): run length and validation protocol
+REGIME_OWN = ("steps", "test_freq", "val_max_samples")
 SWEEP_KEYS = {"key", "label", "values"}
 CELL_KEYS = {"regimes", "algorithms", "seeds"}
 
@@ -125,6 +156,10 @@ class Entry:
     per_regime: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: a regime's own run length (None: the grid's ``steps``); algorithms have none
     steps: int | None = None
+    #: a regime's own validation interval (None: the grid's ``test_freq``); algorithms have none
+    test_freq: int | None = None
+    #: a regime's own validation size (None: the grid's ``val_max_samples``); algorithms have none
+    val_max_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +178,12 @@ class Cell:
     #: the cell's run length, its ``trainer.total_training_steps``: the regime's ``steps``, else the
     #: grid's (every cell of :func:`load_grid` has it; None only in a cell made by hand: the grid's)
     steps: int | None = None
+    #: the cell's validation interval, its ``trainer.test_freq``: the regime's ``test_freq``, else the
+    #: grid's (None only in a cell made by hand: the grid's)
+    test_freq: int | None = None
+    #: the cell's validation size, its ``data.val_max_samples`` = ``data.val_batch_size``: the regime's
+    #: ``val_max_samples``, else the grid's (None only in a cell made by hand: the grid's)
+    val_max_samples: int | None = None
 
     @property
     def key(self) -> str:
@@ -185,6 +226,14 @@ class Grid:
     def steps_of(self, cell: Cell) -> int:
         """The cell's run length: its own ``steps`` (its regime's, else the grid's), the grid's when unset."""
         return cell.steps if cell.steps is not None else self.steps
+
+    def test_freq_of(self, cell: Cell) -> int:
+        """The cell's validation interval: its own ``test_freq`` (its regime's, else the grid's), the grid's when unset."""
+        return cell.test_freq if cell.test_freq is not None else self.test_freq
+
+    def val_max_samples_of(self, cell: Cell) -> int:
+        """The cell's validation size: its own ``val_max_samples`` (its regime's, else the grid's), the grid's when unset."""
+        return cell.val_max_samples if cell.val_max_samples is not None else self.val_max_samples
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -294,10 +343,11 @@ def _overrides(loc: _Located, keys: Sequence[Any], value: Any) -> dict[str, Any]
     for k, v in out.items():
         if not isinstance(k, str) or not KEY_RE.match(k):
             raise loc.error([*keys, k], "not a hydra override key (dotted name, optional + / ++ / ~ prefix)")
-        if k.lstrip("+~") == STEPS_KEY:
+        if k.lstrip("+~") in SET_BY_GRID:
+            what, key = SET_BY_GRID[k.lstrip("+~")]
             raise loc.error(
                 [*keys, k],
-                "a cell's run length is set by `steps` (the grid's, or a regime's `steps:`), not an override",
+                f"a cell's {what} is set by `{key}` (the grid's, or a regime's `{key}:`), not an override",
             )
         if isinstance(v, dict):
             raise loc.error([*keys, k], "a mapping is not an override value; set its keys one by one")
@@ -330,8 +380,9 @@ def _raw_entries(loc: _Located, section: str, data: Any) -> dict[str, dict[str, 
         entry: dict[str, Any] = {"_loc": loc}
         if "description" in raw:
             entry["description"] = str(raw["description"])
-        if "steps" in raw:
-            entry["steps"] = _positive_int(loc, [section, name, "steps"], raw["steps"])
+        for key in REGIME_OWN:
+            if key in raw:
+                entry[key] = _positive_int(loc, [section, name, key], raw[key])
         if "overrides" in raw:
             entry["overrides"] = _overrides(loc, [section, name, "overrides"], raw["overrides"])
         if "per_regime" in raw:
@@ -354,8 +405,9 @@ def _sweep(loc: _Located, keys: list[Any], raw: Any) -> dict[str, Any]:
             raise loc.error(keys, f"a sweep needs '{k}'")
     if not isinstance(sweep["key"], str) or not KEY_RE.match(sweep["key"]):
         raise loc.error([*keys, "key"], "not a hydra override key")
-    if sweep["key"].lstrip("+~") == STEPS_KEY:
-        raise loc.error([*keys, "key"], "a cell's run length is set by `steps` (a regime's `steps:`), not swept")
+    if sweep["key"].lstrip("+~") in SET_BY_GRID:
+        what, key = SET_BY_GRID[sweep["key"].lstrip("+~")]
+        raise loc.error([*keys, "key"], f"a cell's {what} is set by `{key}` (a regime's `{key}:`), not swept")
     values = sweep["values"]
     if not isinstance(values, list) or not values or any(isinstance(v, dict | list) for v in values):
         raise loc.error([*keys, "values"], "must be a non-empty list of scalars")
@@ -382,8 +434,9 @@ def _merge(base: dict[str, dict[str, Any]], top: dict[str, dict[str, Any]]) -> d
             merged["per_regime"] = per
         if "sweep" in entry:
             merged["sweep"] = entry["sweep"]
-        if "steps" in entry:
-            merged["steps"] = entry["steps"]
+        for key in REGIME_OWN:
+            if key in entry:
+                merged[key] = entry[key]
     return out
 
 
@@ -396,7 +449,7 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
             "description": e.get("description", ""),
             "overrides": e.get("overrides", {}),
             "per_regime": e.get("per_regime", {}),
-            "steps": e.get("steps"),
+            **{key: e.get(key) for key in REGIME_OWN},
         }
         sweep = e.get("sweep")
         if not sweep:
@@ -414,7 +467,7 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
                 description=desc,
                 overrides={**base["overrides"], sweep["key"]: v},
                 per_regime=base["per_regime"],
-                steps=base["steps"],
+                **{key: base[key] for key in REGIME_OWN},
             )
             members.append(member)
         groups[name] = members
@@ -515,9 +568,9 @@ def load_grid(path: str | Path) -> Grid:
     guard_controls = _guard_controls(loc, data.get("guard_controls"), regimes)
     base = {
         STEPS_KEY: steps,
-        "trainer.test_freq": test_freq,
-        "data.val_max_samples": val_max_samples,
-        "data.val_batch_size": val_max_samples,
+        TEST_FREQ_KEY: test_freq,
+        VAL_SIZE_KEY: val_max_samples,
+        VAL_BATCH_KEY: val_max_samples,
     }
     cells = _cells(
         loc, data.get("cells"), algorithms, alg_groups, regimes, base, common, tuple(seed_keys), task, warmstart
@@ -601,9 +654,19 @@ def _cells(
                         if (r, a, s) in seen:
                             continue
                         seen.add((r, a, s))
-                        # the regime's run length replaces the grid's in place (the keys keep their order)
-                        steps = regimes[r].steps or base[STEPS_KEY]
-                        merged: dict[str, Any] = {**base, STEPS_KEY: steps, **common, **regimes[r].overrides}
+                        # the regime's run length and validation protocol replace the grid's in place (the
+                        # keys keep their order, so a regime without them gives the cells it gave before)
+                        reg = regimes[r]
+                        steps = reg.steps if reg.steps is not None else base[STEPS_KEY]
+                        test_freq = reg.test_freq if reg.test_freq is not None else base[TEST_FREQ_KEY]
+                        val_size = reg.val_max_samples if reg.val_max_samples is not None else base[VAL_SIZE_KEY]
+                        own = {
+                            STEPS_KEY: steps,
+                            TEST_FREQ_KEY: test_freq,
+                            VAL_SIZE_KEY: val_size,
+                            VAL_BATCH_KEY: val_size,
+                        }
+                        merged: dict[str, Any] = {**base, **own, **common, **reg.overrides}
                         merged.update(algorithms[a].overrides)
                         merged.update(algorithms[a].per_regime.get(r, {}))
                         merged.update({k: s for k in seed_keys})
@@ -618,6 +681,8 @@ def _cells(
                                 task=task,
                                 warmstart=warmstart,
                                 steps=steps,
+                                test_freq=test_freq,
+                                val_max_samples=val_size,
                             )
                         )
     return cells

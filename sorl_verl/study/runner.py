@@ -133,9 +133,11 @@ def cell_env(directory: Path) -> dict[str, str]:
 
 def default_timeout_s(grid: Grid, cell: Cell | None = None) -> float:
     """Generous wall limit of one cell: 10 min of start-up slack + 1 min per step and per validation, over
-    the cell's steps (its regime's ``steps``, else the grid's; the grid's without a cell)."""
+    the cell's steps and validations (step 0 and every ``test_freq`` steps; its regime's ``steps`` and
+    ``test_freq``, else the grid's; the grid's without a cell)."""
     steps = grid.steps if cell is None else grid.steps_of(cell)
-    return 600.0 + 60.0 * steps + 60.0 * (1 + steps // grid.test_freq)
+    test_freq = grid.test_freq if cell is None else grid.test_freq_of(cell)
+    return 600.0 + 60.0 * steps + 60.0 * (1 + steps // test_freq)
 
 
 # --- locks ----------------------------------------------------------------------------------

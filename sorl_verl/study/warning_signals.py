@@ -51,6 +51,9 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+# VAL_SIZE_KEY: the cell override that sets a run's number of validation questions (the cell's
+# ``val_max_samples``: its regime's, else the grid's)
+from sorl_verl.study.grid import VAL_SIZE_KEY
 from sorl_verl.study.measures import LOST_FRACTION, MIN_GAIN
 from sorl_verl.study.metrics import Trace
 
@@ -85,8 +88,6 @@ TRIGGER_MAX_FALSE = 0.2
 
 #: standard errors of the fall rule (see the module docstring)
 FALL_K = 2.0
-#: the cell override that sets a run's number of validation questions (``val_max_samples`` of a grid)
-VAL_SIZE_KEY = "data.val_max_samples"
 
 RULE = (
     f"Drop: collapse onset, or the first validation after the peak below {LOST_FRACTION:g} x the peak gain "

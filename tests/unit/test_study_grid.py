@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sorl_verl.study.grid import PLACEHOLDER, STEPS_KEY, GridError, format_value, load_grid, matches
+from sorl_verl.study.grid import (
+    PLACEHOLDER,
+    STEPS_KEY,
+    TEST_FREQ_KEY,
+    VAL_BATCH_KEY,
+    VAL_SIZE_KEY,
+    GridError,
+    format_value,
+    load_grid,
+    matches,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "recipe" / "sorl" / "study"
@@ -391,7 +401,11 @@ def test_a_regimes_steps_merge_over_the_included_library(tmp_path):
         (("steps: 10", "steps: ten"), 9, "regimes.long.steps: must be an integer >= 1, got 'ten'"),
         (("steps: 10", "steps:"), 9, "regimes.long.steps: must be an integer >= 1, got None"),
         (("steps: 10", "steps: [10]"), 9, "regimes.long.steps: must be an integer >= 1, got [10]"),
-        (("steps: 10", "stepz: 10"), 9, "regimes.long.stepz: unknown key (allowed: description, overrides, steps)"),
+        (
+            ("steps: 10", "stepz: 10"),
+            9,
+            "regimes.long.stepz: unknown key (allowed: description, overrides, steps, test_freq, val_max_samples)",
+        ),
         (("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, steps: 3}"), 11, "algorithms.a.steps: unknown key"),
         # the run length is the steps key's alone: no override (any prefix) or sweep may set it
         (("{x.y: 1}", "{trainer.total_training_steps: 8}"), 6, "regimes.short.overrides.trainer.total_training_steps"),
@@ -437,3 +451,225 @@ def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     }
     assert {k: v for k, v in demo.overrides.items() if k not in restated} == {**long.overrides, STEPS_KEY: "50"}
     assert long.overrides[STEPS_KEY] == "100" and long.overrides["trainer.test_freq"] == "10"
+
+
+# --- a regime's own validation protocol (regimes.<name>.test_freq / val_max_samples) -----------------
+
+PROTOCOL_GRID = """\
+    name: t
+    steps: 10
+    test_freq: 10
+    val_max_samples: 300
+    seed_keys: [data.seed]
+    regimes:
+      demo: {overrides: {x.y: 1}}
+      p5:
+        description: every 5 steps on 100 questions
+        test_freq: 5
+        val_max_samples: 100
+        overrides: {x.y: 1}
+    algorithms:
+      a: {overrides: {x.z: 1}}
+    cells:
+      - {regimes: [demo, p5], algorithms: [a], seeds: [1, 2]}
+"""
+
+
+#: the hydra keys the grid sets from steps, test_freq and val_max_samples, in the cells' order
+PROTOCOL_KEYS = (STEPS_KEY, TEST_FREQ_KEY, VAL_SIZE_KEY, VAL_BATCH_KEY)
+
+
+def protocol(cell) -> tuple[str, ...]:
+    return tuple(cell.overrides[k] for k in PROTOCOL_KEYS)
+
+
+def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path):
+    grid = load_grid(write(tmp_path, PROTOCOL_GRID))
+    assert (grid.test_freq, grid.val_max_samples) == (10, 300)
+    assert (grid.regimes["p5"].test_freq, grid.regimes["p5"].val_max_samples) == (5, 100)
+    assert (grid.regimes["demo"].test_freq, grid.regimes["demo"].val_max_samples) == (None, None)
+    got = {
+        c.key: (c.test_freq, grid.test_freq_of(c), c.val_max_samples, grid.val_max_samples_of(c)) for c in grid.cells
+    }
+    assert got == {
+        "demo/a/seed1": (10, 10, 300, 300),
+        "demo/a/seed2": (10, 10, 300, 300),
+        "p5/a/seed1": (5, 5, 100, 100),
+        "p5/a/seed2": (5, 5, 100, 100),
+    }
+    # the keys stay where the grid puts them (first four, in this order), with the regime's values
+    for c in grid.cells:
+        assert tuple(c.overrides)[:4] == PROTOCOL_KEYS
+        assert protocol(c) == (("10", "5", "100", "100") if c.regime == "p5" else ("10", "10", "300", "300"))
+        assert {k: v for k, v in c.overrides.items() if k not in PROTOCOL_KEYS} == {
+            "x.y": "1",
+            "x.z": "1",
+            "data.seed": str(c.seed),
+        }
+    # a regime without the keys runs exactly the cells it ran before they existed (finished runs stay done) ...
+    plain_text = textwrap.dedent(PROTOCOL_GRID).replace("    test_freq: 5\n    val_max_samples: 100\n", "")
+    plain = load_grid(write(tmp_path, plain_text, "plain.yaml"))
+    assert [c for c in grid.cells if c.regime == "demo"] == [c for c in plain.cells if c.regime == "demo"]
+    assert {protocol(c) for c in plain.cells} == {("10", "10", "300", "300")}
+    # ... and so does a regime whose values are the grid's: a cell changes only with its own protocol
+    same_text = (
+        textwrap.dedent(PROTOCOL_GRID)
+        .replace("test_freq: 5", "test_freq: 10")
+        .replace("val_max_samples: 100", "val_max_samples: 300")
+    )
+    assert load_grid(write(tmp_path, same_text, "same.yaml")).cells == plain.cells
+    # one key without the other: the other is the grid's
+    only_freq = load_grid(
+        write(tmp_path, plain_text.replace("description:", "test_freq: 5\n    description:"), "f.yaml")
+    )
+    assert {protocol(c) for c in only_freq.cells if c.regime == "p5"} == {("10", "5", "300", "300")}
+    # Cell.test_freq / val_max_samples unset (a cell made by hand): the grid's
+    hand = replace(grid.cells[2], test_freq=None, val_max_samples=None)
+    assert (grid.test_freq_of(hand), grid.val_max_samples_of(hand)) == (10, 300)
+
+
+def test_a_grid_without_the_keys_has_its_defaults_and_a_regime_may_still_set_its_own(tmp_path):
+    text = textwrap.dedent(PROTOCOL_GRID).replace("test_freq: 10\n", "").replace("val_max_samples: 300\n", "")
+    grid = load_grid(write(tmp_path, text))
+    assert (grid.test_freq, grid.val_max_samples) == (10, 96)  # the grid's steps, the grid default 96
+    assert {c.regime: protocol(c) for c in grid.cells} == {
+        "demo": ("10", "10", "96", "96"),
+        "p5": ("10", "5", "100", "100"),
+    }
+
+
+def test_a_regimes_validation_protocol_merges_over_the_included_library(tmp_path):
+    write(
+        tmp_path,
+        """\
+        seed_keys: [data.seed]
+        regimes:
+          lib_p5: {test_freq: 5, val_max_samples: 100}
+          lib_other: {test_freq: 5, val_max_samples: 100}
+        """,
+        name="lib.yaml",
+    )
+    grid = load_grid(
+        write(
+            tmp_path,
+            """\
+            include: lib.yaml
+            steps: 20
+            regimes:
+              lib_p5: {description: kept}
+              lib_other: {test_freq: 4}
+            algorithms: {a: {}}
+            cells: [{regimes: [lib_p5, lib_other], algorithms: [a], seeds: [1]}]
+            """,
+        )
+    )
+    assert {c.regime: protocol(c)[1:] for c in grid.cells} == {
+        "lib_p5": ("5", "100", "100"),
+        "lib_other": ("4", "100", "100"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("edit", "line", "words"),
+    [
+        (("test_freq: 5", "test_freq: 0"), 10, "regimes.p5.test_freq: must be an integer >= 1, got 0"),
+        (("test_freq: 5", "test_freq: -5"), 10, "regimes.p5.test_freq: must be an integer >= 1, got -5"),
+        (("test_freq: 5", "test_freq: 2.5"), 10, "regimes.p5.test_freq: must be an integer >= 1, got 2.5"),
+        (("test_freq: 5", "test_freq: true"), 10, "regimes.p5.test_freq: must be an integer >= 1, got True"),
+        (("test_freq: 5", "test_freq: five"), 10, "regimes.p5.test_freq: must be an integer >= 1, got 'five'"),
+        (("test_freq: 5", "test_freq:"), 10, "regimes.p5.test_freq: must be an integer >= 1, got None"),
+        (
+            ("val_max_samples: 100", "val_max_samples: 0"),
+            11,
+            "regimes.p5.val_max_samples: must be an integer >= 1, got 0",
+        ),
+        (
+            ("val_max_samples: 100", "val_max_samples: -1"),
+            11,
+            "regimes.p5.val_max_samples: must be an integer >= 1, got -1",
+        ),
+        (
+            ("val_max_samples: 100", "val_max_samples: 1.0e+2"),
+            11,
+            "regimes.p5.val_max_samples: must be an integer >= 1, got 100.0",
+        ),
+        (
+            ("val_max_samples: 100", "val_max_samples: [100]"),
+            11,
+            "regimes.p5.val_max_samples: must be an integer >= 1, got [100]",
+        ),
+        (("test_freq: 5", "test_frq: 5"), 10, "regimes.p5.test_frq: unknown key (allowed: description, overrides,"),
+        (
+            ("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, test_freq: 3}"),
+            14,
+            "algorithms.a.test_freq: unknown key",
+        ),
+        (
+            ("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, val_max_samples: 3}"),
+            14,
+            "algorithms.a.val_max_samples: unknown key",
+        ),
+        # the protocol is the keys' alone: no override (any prefix) or sweep may set its hydra keys
+        (
+            ("demo: {overrides: {x.y: 1}}", "demo: {overrides: {trainer.test_freq: 5}}"),
+            7,
+            "regimes.demo.overrides.trainer.test_freq: a cell's validation interval is set by `test_freq` "
+            "(the grid's, or a regime's `test_freq:`), not an override",
+        ),
+        (
+            ("demo: {overrides: {x.y: 1}}", "demo: {overrides: {+data.val_max_samples: 100}}"),
+            7,
+            "regimes.demo.overrides.+data.val_max_samples: a cell's validation size is set by `val_max_samples`",
+        ),
+        (
+            ("{x.z: 1}", "{++data.val_batch_size: 100}"),
+            14,
+            "algorithms.a.overrides.++data.val_batch_size: a cell's validation size is set by `val_max_samples`",
+        ),
+        (
+            ("seed_keys:", "common: {trainer.test_freq: 5}\nseed_keys:"),
+            5,
+            "common.trainer.test_freq: a cell's validation",
+        ),
+        (
+            ("a: {overrides: {x.z: 1}}", "a: {sweep: {key: trainer.test_freq, values: [5, 10]}}"),
+            14,
+            "algorithms.a.sweep.key: a cell's validation interval is set by `test_freq` (a regime's `test_freq:`), "
+            "not swept",
+        ),
+        (
+            ("a: {overrides: {x.z: 1}}", "a: {sweep: {key: data.val_max_samples, values: [100, 300]}}"),
+            14,
+            "algorithms.a.sweep.key: a cell's validation size is set by `val_max_samples`",
+        ),
+    ],
+)
+def test_bad_regime_validation_protocol_fails_at_load_naming_the_regime_and_key(tmp_path, edit, line, words):
+    text = textwrap.dedent(PROTOCOL_GRID).replace(*edit, 1)
+    assert text != textwrap.dedent(PROTOCOL_GRID)
+    path = write(tmp_path, text)
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)
+
+
+def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_questions():
+    grid = load_grid(STUDY / "natural.yaml")
+    p5 = {"demo_const_lr1e-3_p5": "demo_const_lr1e-3", "demo_p5": "demo"}
+    for name, of in p5.items():
+        regime = grid.regimes[name]
+        assert (regime.steps, regime.test_freq, regime.val_max_samples) == (None, 5, 100), name
+        # the training of the regime it is the P5 protocol of, unchanged (an alias / a copy of its overrides)
+        assert dict(regime.overrides) == dict(grid.regimes[of].overrides), name
+        assert "P5 protocol of question 5" in regime.description, name
+    # every other regime keeps the grid's protocol: 300 questions every 10 steps, and its cells their overrides
+    others = [r for r in grid.regimes.values() if r.name not in p5]
+    assert {(r.test_freq, r.val_max_samples) for r in others} == {(None, None)}
+    assert {(c.test_freq, c.val_max_samples) for c in grid.cells} == {(10, 300)}
+    assert not any(c.regime in p5 for c in grid.cells)  # no cell yet: the cells come with question 5
+    # the fixed subset: verl draws the val_max_samples questions with data.seed (tests/integration/
+    # test_study_val_subset.py), which is the CPU overlay's 42 in every cell, never a seed key or an override
+    assert cpu_default("data.seed") == 42 and "data.seed" not in grid.seed_keys
+    set_anywhere = [grid.common, *(e.overrides for e in [*grid.regimes.values(), *grid.algorithms.values()])]
+    set_anywhere += [o for e in grid.algorithms.values() for o in e.per_regime.values()]
+    assert not any(k.lstrip("+~") in ("data.seed", "data.shuffle") for o in set_anywhere for k in o)
