@@ -14,7 +14,9 @@ per cell (default ``/tmp/sorl-heavy.lock``; ``--lock none`` when the whole study
 under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.png``,
 ``stability_table.md``, the per-run ``stability_runs.md`` and, for a study with a guarded algorithm
 (``*_guard``), ``stability_guard.md`` (the guard's comparison and the GUARD-default verdict,
-:mod:`sorl_verl.study.guard_table`) (names from ``--name``) into ``--results`` (default: the repository's
+:mod:`sorl_verl.study.guard_table`) and, for a grid with ``guard_controls``, ``stability_rules.md`` (each
+run's first fire under the guard's drop and stderr rules, replayed: :mod:`sorl_verl.study.rule_table`)
+(names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``; with
 ``--from-archive`` it reads the runs from the grid's archive instead of the run directory.
 ``archive`` writes every finished cell's ``cell.json`` and ``metrics.jsonl`` (and a guarded run's
@@ -246,6 +248,11 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     guard_md = _guard(found, data["runs"], grid, cells)
     if guard_md is not None:
         (results / f"{a.name}_guard.md").write_text(guard_md)
+    from sorl_verl.study.rule_table import write_rule_table
+
+    rules = write_rule_table(grid, found, data["runs"], results, a.name)
+    if rules is not None:
+        print(f"wrote {rules}")
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:

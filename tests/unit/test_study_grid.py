@@ -434,9 +434,8 @@ def test_bad_regime_steps_fail_at_load_naming_the_regime_and_key(tmp_path, edit,
 def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     grid = load_grid(STUDY / "natural.yaml")
     assert grid.steps == 50 and grid.regimes["demo_long100"].steps == 100
-    assert grid.cells[-1].key == "demo_long100/grpo/seed1"  # the search's last candidate, seed 1 first
-    assert [c.key for c in grid.cells if c.steps != 50] == ["demo_long100/grpo/seed1"]
-    long = grid.cells[-1]
+    assert [c.key for c in grid.cells if c.steps != 50] == ["demo_long100/grpo/seed1"]  # seed 1 first
+    (long,) = [c for c in grid.cells if c.key == "demo_long100/grpo/seed1"]
     demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
     # no override of its own: the demo regime's three restate the recipe's values (the CPU overlay's
     # 2 epochs x mini-batches of 4, the demo recipe's lr 3e-4)
@@ -665,8 +664,12 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
     # every other regime keeps the grid's protocol: 300 questions every 10 steps, and its cells their overrides
     others = [r for r in grid.regimes.values() if r.name not in p5]
     assert {(r.test_freq, r.val_max_samples) for r in others} == {(None, None)}
-    assert {(c.test_freq, c.val_max_samples) for c in grid.cells} == {(10, 300)}
-    assert not any(c.regime in p5 for c in grid.cells)  # no cell yet: the cells come with question 5
+    assert {(c.test_freq, c.val_max_samples) for c in grid.cells if c.regime not in p5} == {(10, 300)}
+    # question 5's cells: unguarded grpo, seeds 1-3, in both P5 regimes
+    assert sorted((c.regime, c.algorithm, c.seed) for c in grid.cells if c.regime in p5) == [
+        (r, "grpo", s) for r in sorted(p5) for s in (1, 2, 3)
+    ]
+    assert {(c.test_freq, c.val_max_samples) for c in grid.cells if c.regime in p5} == {(5, 100)}
     # the fixed subset: verl draws the val_max_samples questions with data.seed (tests/integration/
     # test_study_val_subset.py), which is the CPU overlay's 42 in every cell, never a seed key or an override
     assert cpu_default("data.seed") == 42 and "data.seed" not in grid.seed_keys

@@ -51,8 +51,9 @@ def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them()
         cmd = cell_command(grid, cell, INPUTS, Path("/run"))
         want = 100 if cell.regime == "demo_long100" else 50
         assert [a for a in cmd if a.startswith(f"{STEPS_KEY}=")] == [f"{STEPS_KEY}={want}"], cell.key
-        # 10 min of start-up + 1 min per step and per validation (step 0 and every 10 steps)
-        assert default_timeout_s(grid, cell) == 600.0 + 60.0 * want + 60.0 * (1 + want // 10)
+        # 10 min of start-up + 1 min per step and per validation (step 0 and every test_freq steps)
+        every = 5 if cell.regime.endswith("_p5") else 10
+        assert default_timeout_s(grid, cell) == 600.0 + 60.0 * want + 60.0 * (1 + want // every)
     long = next(c for c in grid.cells if c.regime == "demo_long100")
     assert default_timeout_s(grid, long) == 7260.0 and default_timeout_s(grid) == 3960.0
 
