@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -302,6 +303,41 @@ def bench_script() -> Callable[[str], ModuleType]:
         return loaded[name]
 
     return load
+
+
+def _write_grid(folder: Path, text: str, name: str = "g.yaml") -> Path:
+    path = folder / "study" / name
+    (folder / "config").mkdir(exist_ok=True)
+    (folder / "config" / "sorl_trainer.yaml").write_text("{}\n")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture(scope="session")
+def write_grid() -> Callable[..., Path]:
+    """``write_grid(folder, text, name="g.yaml")``: writes a study grid, ``text`` dedented, to
+    ``folder/study/<name>`` next to an empty trainer config (``folder/config/sorl_trainer.yaml``, ``{}``),
+    where the grid's default ``config_dir`` (``../config``) finds it; returns the grid's path."""
+    return _write_grid
+
+
+@pytest.fixture
+def cell_wall_limits(monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
+    """The wall limit (``timeout_s``) that ``sorl_verl.study.runner.run_grid`` gives each cell it runs, by cell key:
+    ``runner.run_cell`` is replaced for the test by a stand-in that records it and writes a done record."""
+    from sorl_verl.study import runner
+
+    limits: dict[str, float] = {}
+
+    def fake_run_cell(grid, cell, directory, inputs, *, tag, timeout_s, out, pass_fds):
+        limits[cell.key] = timeout_s
+        record = {"status": "done", "wall_s": 1.0, "exit_code": 0, "overrides": dict(cell.overrides)}
+        runner.write_record(directory, record)
+        return record
+
+    monkeypatch.setattr(runner, "run_cell", fake_run_cell)
+    return limits
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import tarfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ def train(step: int, reward: float, z: float | None = None, **extra: float) -> d
 
 
 def grid_overrides(seed: int) -> dict[str, str]:
-    """The overrides grid_file() gives cell hot/<algorithm>/seed<seed> (its runs record them)."""
+    """The overrides GRID gives cell hot/<algorithm>/seed<seed> (its runs record them)."""
     return {
         "trainer.total_training_steps": "4",
         "trainer.test_freq": "2",
@@ -142,30 +141,20 @@ def test_update_scale_logged_wins_over_one_over_z():
     assert lr_match(runs)["r"]["matched_lr"] == pytest.approx(6e-4)
 
 
-def grid_file(tmp_path: Path) -> Path:
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / "g.yaml"
-    path.write_text(
-        textwrap.dedent(
-            """\
-            name: g
-            steps: 4
-            test_freq: 2
-            seed_keys: [data.seed]
-            regimes: {hot: {overrides: {actor_rollout_ref.actor.optim.lr: 5.0e-4}}}
-            algorithms: {grpo: {}, so_grpo: {}, gspo: {}, cispo: {}, ppo: {}}
-            cells: [{regimes: [hot], algorithms: [grpo, so_grpo, gspo, cispo, ppo], seeds: [1, 2]}]
-            """
-        )
-    )
-    return path
+GRID = """\
+    name: g
+    steps: 4
+    test_freq: 2
+    seed_keys: [data.seed]
+    regimes: {hot: {overrides: {actor_rollout_ref.actor.optim.lr: 5.0e-4}}}
+    algorithms: {grpo: {}, so_grpo: {}, gspo: {}, cispo: {}, ppo: {}}
+    cells: [{regimes: [hot], algorithms: [grpo, so_grpo, gspo, cispo, ppo], seeds: [1, 2]}]
+"""
 
 
-def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, capsys):
+def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, write_grid, capsys):
     res = tmp_path / "results"
-    grid = grid_file(tmp_path)
+    grid = write_grid(tmp_path, GRID)
     assert cli.main(["aggregate", "--grid", str(grid), "--out", str(study), "--results", str(res)]) == 0
     printed = capsys.readouterr().out
     assert "lr for grpo_lowlr in hot: 0.00025" in printed
@@ -205,10 +194,10 @@ def test_cli_aggregate_writes_json_table_and_pngs(study, tmp_path, capsys):
     assert {r["algorithm"] for r in json.loads((res / "x.json").read_text())["runs"]} == {"so_grpo"}
 
 
-def test_records_match_the_grid_and_an_edited_grid_is_flagged(study, tmp_path, capsys):
-    grid = load_grid(grid_file(tmp_path))
+def test_records_match_the_grid_and_an_edited_grid_is_flagged(study, tmp_path, write_grid, capsys):
+    grid = load_grid(write_grid(tmp_path, GRID))
     assert all(dict(c.overrides) == grid_overrides(c.seed) for c in grid.cells)
-    path = grid_file(tmp_path)
+    path = write_grid(tmp_path, GRID)
     path.write_text(path.read_text().replace("5.0e-4", "2.5e-4"))
     res = tmp_path / "results"
     assert cli.main(["aggregate", "--grid", str(path), "--out", str(study), "--results", str(res), "--no-plots"]) == 0
@@ -217,8 +206,8 @@ def test_records_match_the_grid_and_an_edited_grid_is_flagged(study, tmp_path, c
     assert all(r["grid_changed"] == [LR] for r in runs)
 
 
-def test_cli_aggregate_with_nothing_finished(tmp_path, capsys):
-    grid = grid_file(tmp_path)
+def test_cli_aggregate_with_nothing_finished(tmp_path, write_grid, capsys):
+    grid = write_grid(tmp_path, GRID)
     assert (
         cli.main(["aggregate", "--grid", str(grid), "--out", str(tmp_path / "empty"), "--results", str(tmp_path / "r")])
         == 1
@@ -226,8 +215,8 @@ def test_cli_aggregate_with_nothing_finished(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_cli_status(study, tmp_path, capsys):
-    grid = grid_file(tmp_path)
+def test_cli_status(study, tmp_path, write_grid, capsys):
+    grid = write_grid(tmp_path, GRID)
     assert cli.main(["status", "--grid", str(grid), "--out", str(study), "--json"]) == 0
     rows = {r["key"]: r for r in json.loads(capsys.readouterr().out)["cells"]}
     states = {k: r["state"] for k, r in rows.items()}
@@ -249,12 +238,12 @@ def test_cli_status(study, tmp_path, capsys):
     assert "done 4, failed 1, interrupted 1, pending 4 of 10" in text
 
 
-def test_cli_bad_grid_exit_2(tmp_path, capsys):
+def test_cli_bad_grid_exit_2(tmp_path, write_grid, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [\n")
     assert cli.main(["status", "--grid", str(bad)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
-    assert cli.main(["--grid", str(grid_file(tmp_path)), "--out", str(tmp_path / "o"), "--only", "nomatch"]) == 2
+    assert cli.main(["--grid", str(write_grid(tmp_path, GRID)), "--out", str(tmp_path / "o"), "--only", "nomatch"]) == 2
 
 
 def test_nan_never_reaches_the_json(tmp_path):
@@ -266,10 +255,10 @@ def test_nan_never_reaches_the_json(tmp_path):
     write_stability(data, tmp_path / "s.json")  # allow_nan=False: would raise on a NaN
 
 
-def test_cli_aggregate_grid_outside_the_repository(study, tmp_path):
+def test_cli_aggregate_grid_outside_the_repository(study, tmp_path, write_grid):
     """A grid file elsewhere that uses the repository's config: the command names its absolute path."""
     repo_config = Path(__file__).resolve().parents[2] / "recipe" / "sorl" / "config"
-    text = grid_file(tmp_path).read_text() + f"config_dir: {repo_config}\n"
+    text = write_grid(tmp_path, GRID).read_text() + f"config_dir: {repo_config}\n"
     elsewhere = tmp_path / "elsewhere.yaml"
     elsewhere.write_text(text.replace("name: g", "name: e"))
     res = tmp_path / "res"
@@ -280,9 +269,9 @@ def test_cli_aggregate_grid_outside_the_repository(study, tmp_path):
     )
 
 
-def test_archive_round_trip_regenerates_the_same_files(study, tmp_path, capsys):
+def test_archive_round_trip_regenerates_the_same_files(study, tmp_path, write_grid, capsys):
     """archive -> aggregate --from-archive writes byte-identical json/tables to aggregate from the run directory."""
-    grid = grid_file(tmp_path)
+    grid = write_grid(tmp_path, GRID)
     archive = tmp_path / "g.tar.xz"
     assert cli.main(["archive", "--grid", str(grid), "--out", str(study), "--archive", str(archive)]) == 0
     assert "(5 runs," in capsys.readouterr().out  # the 'running' cell is not archived
@@ -323,8 +312,8 @@ def test_archive_restores_the_run_directory_and_honours_only(study, tmp_path):
     assert [r["key"] for r, _ in read_archive(archive, {"hot/so_grpo/seed2"})] == ["hot/so_grpo/seed2"]
 
 
-def test_bad_archives_are_named(study, tmp_path, capsys):
-    grid = grid_file(tmp_path)
+def test_bad_archives_are_named(study, tmp_path, write_grid, capsys):
+    grid = write_grid(tmp_path, GRID)
     bad = tmp_path / "bad.tar.xz"
     bad.write_bytes(b"not an archive")
     args = ["aggregate", "--grid", str(grid), "--from-archive", "--archive", str(bad), "--results", str(tmp_path / "r")]
@@ -395,10 +384,12 @@ def test_committed_archive_regenerates_the_committed_tables(grid, name, tmp_path
         assert (res / f"{name}{suffix}").read_bytes() == committed.read_bytes(), committed
 
 
-def test_the_fall_rule_table_goes_below_the_fixed_one_and_needs_the_validation_size(study, tmp_path, capsys):
+def test_the_fall_rule_table_goes_below_the_fixed_one_and_needs_the_validation_size(
+    study, tmp_path, write_grid, capsys
+):
     from sorl_verl.study.warning_signals import FALL_RULE
 
-    grid = grid_file(tmp_path)
+    grid = write_grid(tmp_path, GRID)
     text = grid.read_text()
     fall_grid = grid.with_name("fall.yaml")
     fall_grid.write_text(text.replace("name: g\n", "name: g\nwarning_fall_rule: true\n"))

@@ -171,15 +171,6 @@ def test_learning_grid_guard_cells_are_the_algorithms_plus_the_guard():
         assert c.key.replace(f"/{c.algorithm}/", f"/{c.algorithm.removesuffix('_guard')}/") in cells
 
 
-def write(tmp_path: Path, text: str, name: str = "g.yaml") -> Path:
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / name
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
 BASE = """\
     name: t
     steps: 4
@@ -196,8 +187,8 @@ BASE = """\
 """
 
 
-def test_merge_order_and_dedup(tmp_path):
-    grid = load_grid(write(tmp_path, BASE))
+def test_merge_order_and_dedup(tmp_path, write_grid):
+    grid = load_grid(write_grid(tmp_path, BASE))
     assert [c.key for c in grid.cells] == ["hot/a/seed7", "hot/b/seed7", "hot/a/seed8"]
     a7, b7 = grid.cells[0].overrides, grid.cells[1].overrides
     assert a7["actor_rollout_ref.actor.optim.lr"] == "0.002"  # algorithm over regime
@@ -213,8 +204,8 @@ def test_merge_order_and_dedup(tmp_path):
     ]
 
 
-def test_include_library_merged_key_by_key(tmp_path):
-    write(
+def test_include_library_merged_key_by_key(tmp_path, write_grid):
+    write_grid(
         tmp_path,
         """\
         seed_keys: [data.seed]
@@ -226,7 +217,7 @@ def test_include_library_merged_key_by_key(tmp_path):
         name="lib.yaml",
     )
     grid = load_grid(
-        write(
+        write_grid(
             tmp_path,
             """\
             include: lib.yaml
@@ -264,29 +255,29 @@ def test_include_library_merged_key_by_key(tmp_path):
         ),
     ],
 )
-def test_bad_grid_names_file_and_line(tmp_path, edit, line, words):
+def test_bad_grid_names_file_and_line(tmp_path, write_grid, edit, line, words):
     text = textwrap.dedent(BASE).replace(*edit)
     assert text != textwrap.dedent(BASE)
-    path = write(tmp_path, text)
+    path = write_grid(tmp_path, text)
     with pytest.raises(GridError) as err:
         load_grid(path)
     assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)
 
 
-def test_invalid_yaml_and_missing_file(tmp_path):
-    path = write(tmp_path, "name: t\nsteps: [1,\n")
+def test_invalid_yaml_and_missing_file(tmp_path, write_grid):
+    path = write_grid(tmp_path, "name: t\nsteps: [1,\n")
     with pytest.raises(GridError, match=r"g\.yaml:\d+: not valid YAML"):
         load_grid(path)
     with pytest.raises(GridError, match="grid file not found"):
         load_grid(tmp_path / "nope.yaml")
 
 
-def test_matches_and_select(tmp_path):
+def test_matches_and_select(tmp_path, write_grid):
     assert matches("many_updates/so_grpo/seed1", "grpo")
     assert not matches("many_updates/so_grpo/seed1", "many_updates/grpo/*")
     assert matches("many_updates/grpo/seed1", "many_updates/grpo/*")
     assert matches("mismatch/grpo_rc/seed2", "*/seed2")
-    grid = load_grid(write(tmp_path, BASE))
+    grid = load_grid(write_grid(tmp_path, BASE))
     assert [c.key for c in grid.select(["b/", "*/seed8"])] == ["hot/b/seed7", "hot/a/seed8"]
     assert len(grid.select(None)) == 3
 
@@ -307,18 +298,18 @@ def test_format_value(value, text):
     assert format_value(value) == text
 
 
-def test_only_the_learning_grid_adds_the_fall_rule_to_its_warning_table(tmp_path):
+def test_only_the_learning_grid_adds_the_fall_rule_to_its_warning_table(tmp_path, write_grid):
     assert load_grid(STUDY / "learning.yaml").warning_fall_rule is True
     for name in ("stress", "stress_b", "smoke", "boundary"):  # their committed tables stay as they are
         assert load_grid(STUDY / f"{name}.yaml").warning_fall_rule is False
     on = textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nwarning_fall_rule: true")
-    grid, plain = load_grid(write(tmp_path, on, "on.yaml")), load_grid(write(tmp_path, BASE))
+    grid, plain = load_grid(write_grid(tmp_path, on, "on.yaml")), load_grid(write_grid(tmp_path, BASE))
     assert grid.warning_fall_rule and grid.cells == plain.cells  # no effect on what the cells run
 
 
-def test_guard_controls_name_the_control_regimes(tmp_path):
-    assert load_grid(write(tmp_path, BASE)).guard_controls == ()
-    grid = load_grid(write(tmp_path, textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nguard_controls: [hot]")))
+def test_guard_controls_name_the_control_regimes(tmp_path, write_grid):
+    assert load_grid(write_grid(tmp_path, BASE)).guard_controls == ()
+    grid = load_grid(write_grid(tmp_path, textwrap.dedent(BASE).replace("steps: 4", "steps: 4\nguard_controls: [hot]")))
     assert grid.guard_controls == ("hot",)
     assert load_grid(STUDY / "natural.yaml").guard_controls == ("demo",)
 
@@ -342,8 +333,8 @@ STEPS_GRID = """\
 """
 
 
-def test_a_regimes_steps_apply_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path):
-    grid = load_grid(write(tmp_path, STEPS_GRID))
+def test_a_regimes_steps_apply_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path, write_grid):
+    grid = load_grid(write_grid(tmp_path, STEPS_GRID))
     assert grid.steps == 4 and grid.regimes["long"].steps == 10 and grid.regimes["short"].steps is None
     assert {c.key: (c.steps, grid.steps_of(c), c.overrides[STEPS_KEY]) for c in grid.cells} == {
         "short/a/seed1": (4, 4, "4"),
@@ -353,18 +344,18 @@ def test_a_regimes_steps_apply_to_its_cells_only_and_the_others_inherit_the_grid
     }
     assert all(list(c.overrides)[0] == STEPS_KEY and c.overrides["trainer.test_freq"] == "2" for c in grid.cells)
     # a regime without steps runs exactly the cells it ran before the key existed (finished runs stay done) ...
-    plain = load_grid(write(tmp_path, textwrap.dedent(STEPS_GRID).replace("    steps: 10\n", ""), "plain.yaml"))
+    plain = load_grid(write_grid(tmp_path, textwrap.dedent(STEPS_GRID).replace("    steps: 10\n", ""), "plain.yaml"))
     assert [c for c in grid.cells if c.regime == "short"] == [c for c in plain.cells if c.regime == "short"]
     assert {c.overrides[STEPS_KEY] for c in plain.cells} == {"4"}
     # ... and so does a regime whose steps are the grid's: a cell changes only with its own run length
-    same = load_grid(write(tmp_path, textwrap.dedent(STEPS_GRID).replace("steps: 10", "steps: 4"), "same.yaml"))
+    same = load_grid(write_grid(tmp_path, textwrap.dedent(STEPS_GRID).replace("steps: 10", "steps: 4"), "same.yaml"))
     assert same.cells == plain.cells
     # Cell.steps unset (a cell made by hand): the grid's
     assert grid.steps_of(replace(grid.cells[2], steps=None)) == 4
 
 
-def test_a_regimes_steps_merge_over_the_included_library(tmp_path):
-    write(
+def test_a_regimes_steps_merge_over_the_included_library(tmp_path, write_grid):
+    write_grid(
         tmp_path,
         """\
         seed_keys: [data.seed]
@@ -375,7 +366,7 @@ def test_a_regimes_steps_merge_over_the_included_library(tmp_path):
         name="lib.yaml",
     )
     grid = load_grid(
-        write(
+        write_grid(
             tmp_path,
             """\
             include: lib.yaml
@@ -422,10 +413,10 @@ def test_a_regimes_steps_merge_over_the_included_library(tmp_path):
         ),
     ],
 )
-def test_bad_regime_steps_fail_at_load_naming_the_regime_and_key(tmp_path, edit, line, words):
+def test_bad_regime_steps_fail_at_load_naming_the_regime_and_key(tmp_path, write_grid, edit, line, words):
     text = textwrap.dedent(STEPS_GRID).replace(*edit)
     assert text != textwrap.dedent(STEPS_GRID)
-    path = write(tmp_path, text)
+    path = write_grid(tmp_path, text)
     with pytest.raises(GridError) as err:
         load_grid(path)
     assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)
@@ -482,8 +473,8 @@ def protocol(cell) -> tuple[str, ...]:
     return tuple(cell.overrides[k] for k in PROTOCOL_KEYS)
 
 
-def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path):
-    grid = load_grid(write(tmp_path, PROTOCOL_GRID))
+def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_inherit_the_grids(tmp_path, write_grid):
+    grid = load_grid(write_grid(tmp_path, PROTOCOL_GRID))
     assert (grid.test_freq, grid.val_max_samples) == (10, 300)
     assert (grid.regimes["p5"].test_freq, grid.regimes["p5"].val_max_samples) == (5, 100)
     assert (grid.regimes["demo"].test_freq, grid.regimes["demo"].val_max_samples) == (None, None)
@@ -507,7 +498,7 @@ def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_
         }
     # a regime without the keys runs exactly the cells it ran before they existed (finished runs stay done) ...
     plain_text = textwrap.dedent(PROTOCOL_GRID).replace("    test_freq: 5\n    val_max_samples: 100\n", "")
-    plain = load_grid(write(tmp_path, plain_text, "plain.yaml"))
+    plain = load_grid(write_grid(tmp_path, plain_text, "plain.yaml"))
     assert [c for c in grid.cells if c.regime == "demo"] == [c for c in plain.cells if c.regime == "demo"]
     assert {protocol(c) for c in plain.cells} == {("10", "10", "300", "300")}
     # ... and so does a regime whose values are the grid's: a cell changes only with its own protocol
@@ -516,10 +507,10 @@ def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_
         .replace("test_freq: 5", "test_freq: 10")
         .replace("val_max_samples: 100", "val_max_samples: 300")
     )
-    assert load_grid(write(tmp_path, same_text, "same.yaml")).cells == plain.cells
+    assert load_grid(write_grid(tmp_path, same_text, "same.yaml")).cells == plain.cells
     # one key without the other: the other is the grid's
     only_freq = load_grid(
-        write(tmp_path, plain_text.replace("description:", "test_freq: 5\n    description:"), "f.yaml")
+        write_grid(tmp_path, plain_text.replace("description:", "test_freq: 5\n    description:"), "f.yaml")
     )
     assert {protocol(c) for c in only_freq.cells if c.regime == "p5"} == {("10", "5", "300", "300")}
     # Cell.test_freq / val_max_samples unset (a cell made by hand): the grid's
@@ -527,9 +518,9 @@ def test_a_regimes_validation_protocol_applies_to_its_cells_only_and_the_others_
     assert (grid.test_freq_of(hand), grid.val_max_samples_of(hand)) == (10, 300)
 
 
-def test_a_grid_without_the_keys_has_its_defaults_and_a_regime_may_still_set_its_own(tmp_path):
+def test_a_grid_without_the_keys_has_its_defaults_and_a_regime_may_still_set_its_own(tmp_path, write_grid):
     text = textwrap.dedent(PROTOCOL_GRID).replace("test_freq: 10\n", "").replace("val_max_samples: 300\n", "")
-    grid = load_grid(write(tmp_path, text))
+    grid = load_grid(write_grid(tmp_path, text))
     assert (grid.test_freq, grid.val_max_samples) == (10, 96)  # the grid's steps, the grid default 96
     assert {c.regime: protocol(c) for c in grid.cells} == {
         "demo": ("10", "10", "96", "96"),
@@ -537,8 +528,8 @@ def test_a_grid_without_the_keys_has_its_defaults_and_a_regime_may_still_set_its
     }
 
 
-def test_a_regimes_validation_protocol_merges_over_the_included_library(tmp_path):
-    write(
+def test_a_regimes_validation_protocol_merges_over_the_included_library(tmp_path, write_grid):
+    write_grid(
         tmp_path,
         """\
         seed_keys: [data.seed]
@@ -549,7 +540,7 @@ def test_a_regimes_validation_protocol_merges_over_the_included_library(tmp_path
         name="lib.yaml",
     )
     grid = load_grid(
-        write(
+        write_grid(
             tmp_path,
             """\
             include: lib.yaml
@@ -643,10 +634,12 @@ def test_a_regimes_validation_protocol_merges_over_the_included_library(tmp_path
         ),
     ],
 )
-def test_bad_regime_validation_protocol_fails_at_load_naming_the_regime_and_key(tmp_path, edit, line, words):
+def test_bad_regime_validation_protocol_fails_at_load_naming_the_regime_and_key(
+    tmp_path, write_grid, edit, line, words
+):
     text = textwrap.dedent(PROTOCOL_GRID).replace(*edit, 1)
     assert text != textwrap.dedent(PROTOCOL_GRID)
-    path = write(tmp_path, text)
+    path = write_grid(tmp_path, text)
     with pytest.raises(GridError) as err:
         load_grid(path)
     assert str(err.value).startswith(f"{path}:{line}: ") and words in str(err.value), str(err.value)

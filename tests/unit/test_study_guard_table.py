@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -278,12 +277,8 @@ def cell(out: Path, regime: str, alg: str, seed: int, vals: list[float], restore
                                    "data.seed": str(seed)}})  # fmt: skip
 
 
-def grid(tmp_path: Path, algorithms: str, controls: str = "guard_controls: [demo]") -> Path:
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / "g.yaml"
-    path.write_text(textwrap.dedent(f"""\
+def grid_text(algorithms: str, controls: str = "guard_controls: [demo]") -> str:
+    return f"""\
         name: g
         steps: 4
         test_freq: 2
@@ -292,16 +287,16 @@ def grid(tmp_path: Path, algorithms: str, controls: str = "guard_controls: [demo
         regimes: {{demo: {{}}, hot: {{}}}}
         algorithms: {{grpo: {{}}, grpo_guard: {{}}}}
         cells: [{{regimes: [demo, hot], algorithms: [{algorithms}], seeds: [1, 2, 3]}}]
-        """))  # fmt: skip
-    return path
+        """
 
 
-def test_aggregate_writes_the_guard_table_only_for_a_study_with_a_guarded_algorithm(tmp_path):
+def test_aggregate_writes_the_guard_table_only_for_a_study_with_a_guarded_algorithm(tmp_path, write_grid):
     out, res = tmp_path / "out", tmp_path / "res"
     for s in (1, 2, 3):
         cell(out, "demo", "grpo", s, [0.2, 0.3, 0.3])
         cell(out, "demo", "grpo_guard", s, [0.2, 0.3, 0.3], restores=1 if s == 2 else 0)
-    args = ["aggregate", "--grid", str(grid(tmp_path, "grpo, grpo_guard")), "--out", str(out), "--no-plots"]
+    path = write_grid(tmp_path, grid_text("grpo, grpo_guard"))
+    args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots"]
     assert cli.main([*args, "--results", str(res)]) == 0
     text = (res / "stability_guard.md").read_text()
     assert "| demo | grpo_guard - grpo | 1,2,3 | +0.100 ± 0.000 | +0.100 ± 0.000 | +0.000 ± 0.000 |" in text
@@ -315,10 +310,12 @@ def test_aggregate_writes_the_guard_table_only_for_a_study_with_a_guarded_algori
     # the same runs without guard_controls: the table, no verdict
     plain = tmp_path / "plain"
     plain.mkdir()
-    args = ["aggregate", "--grid", str(grid(plain, "grpo, grpo_guard", "")), "--out", str(out), "--no-plots"]
+    path = write_grid(plain, grid_text("grpo, grpo_guard", ""))
+    args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots"]
     assert cli.main([*args, "--results", str(res), "--name", "plain"]) == 0
     assert "No verdict of the GUARD-default rule" in (res / "plain_guard.md").read_text()
     # no guarded run: no guard file
-    args = ["aggregate", "--grid", str(grid(plain, "grpo")), "--out", str(out), "--no-plots", "--only", "/grpo/"]
+    path = write_grid(plain, grid_text("grpo"))
+    args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots", "--only", "/grpo/"]
     assert cli.main([*args, "--results", str(res), "--name", "unguarded"]) == 0
     assert not (res / "unguarded_guard.md").exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,29 +19,20 @@ REPO = Path(__file__).resolve().parents[2]
 INPUTS = Inputs(Path("/t.parquet"), Path("/v.parquet"), Path("/model"), "http://127.0.0.1:9/retrieve")
 
 
-def grid_file(tmp_path: Path, algorithms: str = "grpo") -> Path:
+def grid_text(algorithms: str = "grpo") -> str:
     """Regime ``demo`` at the grid's 4 steps, regime ``long`` at 10; validation every 2 steps."""
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / "g.yaml"
-    path.write_text(
-        textwrap.dedent(
-            f"""\
-            name: g
-            steps: 4
-            test_freq: 2
-            seed_keys: [data.seed]
-            guard_controls: [demo]
-            regimes:
-              demo: {{}}
-              long: {{steps: 10}}
-            algorithms: {{grpo: {{}}, grpo_guard: {{}}}}
-            cells: [{{regimes: [demo, long], algorithms: [{algorithms}], seeds: [1, 2, 3]}}]
-            """
-        )
-    )
-    return path
+    return f"""\
+        name: g
+        steps: 4
+        test_freq: 2
+        seed_keys: [data.seed]
+        guard_controls: [demo]
+        regimes:
+          demo: {{}}
+          long: {{steps: 10}}
+        algorithms: {{grpo: {{}}, grpo_guard: {{}}}}
+        cells: [{{regimes: [demo, long], algorithms: [{algorithms}], seeds: [1, 2, 3]}}]
+        """
 
 
 def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them():
@@ -58,17 +48,9 @@ def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them()
     assert default_timeout_s(grid, long) == 7260.0 and default_timeout_s(grid) == 3960.0
 
 
-def test_run_grid_gives_each_cell_its_own_default_wall_limit(tmp_path, monkeypatch):
-    grid = load_grid(grid_file(tmp_path))
-    limits: dict[str, float] = {}
-
-    def fake_run_cell(grid, cell, directory, inputs, *, tag, timeout_s, out, pass_fds):
-        limits[cell.key] = timeout_s
-        record = {"status": "done", "wall_s": 1.0, "exit_code": 0, "overrides": dict(cell.overrides)}
-        runner.write_record(directory, record)
-        return record
-
-    monkeypatch.setattr(runner, "run_cell", fake_run_cell)
+def test_run_grid_gives_each_cell_its_own_default_wall_limit(tmp_path, write_grid, cell_wall_limits):
+    grid = load_grid(write_grid(tmp_path, grid_text()))
+    limits = cell_wall_limits
     cells = [c for c in grid.cells if c.seed == 1]
     log = io.StringIO()
     run_grid(grid, tmp_path / "out", cells, lock=None, log=log, inputs=INPUTS)
@@ -90,8 +72,8 @@ def fake_main_ppo(monkeypatch, last_step: int) -> None:
 
 
 @pytest.mark.parametrize(("last_step", "status"), [(10, "done"), (4, "failed")])
-def test_a_long_cell_is_done_only_at_its_own_last_step(tmp_path, monkeypatch, last_step, status):
-    grid = load_grid(grid_file(tmp_path))
+def test_a_long_cell_is_done_only_at_its_own_last_step(tmp_path, write_grid, monkeypatch, last_step, status):
+    grid = load_grid(write_grid(tmp_path, grid_text()))
     cell = next(c for c in grid.cells if c.regime == "long")
     fake_main_ppo(monkeypatch, last_step)
     out = io.StringIO()
@@ -129,7 +111,7 @@ def make_cell(out: Path, regime: str, alg: str, seed: int, steps: int, scores: l
     )  # fmt: skip
 
 
-def test_aggregate_plots_guard_table_and_status_with_regimes_of_different_lengths(tmp_path, capsys):
+def test_aggregate_plots_guard_table_and_status_with_regimes_of_different_lengths(tmp_path, write_grid, capsys):
     out, res = tmp_path / "out", tmp_path / "res"
     for s in (1, 2, 3):
         make_cell(out, "demo", "grpo", s, 4, [0.2, 0.3, 0.3])
@@ -138,7 +120,7 @@ def test_aggregate_plots_guard_table_and_status_with_regimes_of_different_length
     long_scores = {1: [0.2, 0.3, 0.4, 0.35, 0.3, 0.25], 2: [0.2, 0.3, 0.4, 0.3, 0.2, 0.2], 3: [0.2] * 6}
     for s, scores in long_scores.items():
         make_cell(out, "long", "grpo", s, 10, scores)
-    grid = grid_file(tmp_path, "grpo, grpo_guard")
+    grid = write_grid(tmp_path, grid_text("grpo, grpo_guard"))
     assert cli.main(["aggregate", "--grid", str(grid), "--out", str(out), "--results", str(res)]) == 0
     runs = {
         (r["regime"], r["algorithm"], r["seed"]): r for r in json.loads((res / "stability.json").read_text())["runs"]

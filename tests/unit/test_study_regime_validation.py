@@ -20,25 +20,19 @@ INPUTS = Inputs(Path("/t.parquet"), Path("/v.parquet"), Path("/model"), "http://
 PROTOCOL = ("trainer.total_training_steps", "trainer.test_freq", "data.val_max_samples", "data.val_batch_size")
 
 
-def grid_file(tmp_path: Path) -> Path:
-    """Regime ``demo`` at the grid's protocol (300 questions every 10 steps), regime ``p5`` every 5 steps on
-    100; both 10 steps, grpo and grpo_guard, seeds 1-3, the fall rule on."""
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / "g.yaml"
-    path.write_text(
-        "name: g\nsteps: 10\ntest_freq: 10\nval_max_samples: 300\nwarning_fall_rule: true\n"
-        "seed_keys: [data.seed]\nguard_controls: [demo]\n"
-        "regimes:\n  demo: {}\n  p5: {test_freq: 5, val_max_samples: 100}\n"
-        "algorithms: {grpo: {}, grpo_guard: {}}\n"
-        "cells: [{regimes: [demo, p5], algorithms: [grpo, grpo_guard], seeds: [1, 2, 3]}]\n"
-    )
-    return path
+# regime ``demo`` at the grid's protocol (300 questions every 10 steps), regime ``p5`` every 5 steps on 100; both
+# 10 steps, grpo and grpo_guard, seeds 1-3, the fall rule on
+GRID = (
+    "name: g\nsteps: 10\ntest_freq: 10\nval_max_samples: 300\nwarning_fall_rule: true\n"
+    "seed_keys: [data.seed]\nguard_controls: [demo]\n"
+    "regimes:\n  demo: {}\n  p5: {test_freq: 5, val_max_samples: 100}\n"
+    "algorithms: {grpo: {}, grpo_guard: {}}\n"
+    "cells: [{regimes: [demo, p5], algorithms: [grpo, grpo_guard], seeds: [1, 2, 3]}]\n"
+)
 
 
-def test_the_command_carries_each_cells_protocol_and_the_timeout_counts_its_validations(tmp_path):
-    grid = load_grid(grid_file(tmp_path))
+def test_the_command_carries_each_cells_protocol_and_the_timeout_counts_its_validations(tmp_path, write_grid):
+    grid = load_grid(write_grid(tmp_path, GRID))
     for cell in grid.cells:
         cmd = cell_command(grid, cell, INPUTS, Path("/run"))
         want = ["10", "5", "100", "100"] if cell.regime == "p5" else ["10", "10", "300", "300"]
@@ -59,24 +53,16 @@ def test_the_natural_grid_keeps_its_timeouts_and_a_p5_cell_counts_11_validations
     assert default_timeout_s(grid, p5) == 600.0 + 3000.0 + 60.0 * 11
 
 
-def test_run_grid_gives_each_cell_the_wall_limit_of_its_protocol(tmp_path, monkeypatch):
-    grid = load_grid(grid_file(tmp_path))
-    limits: dict[str, float] = {}
-
-    def fake_run_cell(grid, cell, directory, inputs, *, tag, timeout_s, out, pass_fds):
-        limits[cell.key] = timeout_s
-        record = {"status": "done", "wall_s": 1.0, "exit_code": 0, "overrides": dict(cell.overrides)}
-        runner.write_record(directory, record)
-        return record
-
-    monkeypatch.setattr(runner, "run_cell", fake_run_cell)
+def test_run_grid_gives_each_cell_the_wall_limit_of_its_protocol(tmp_path, write_grid, cell_wall_limits):
+    grid = load_grid(write_grid(tmp_path, GRID))
+    limits = cell_wall_limits
     cells = [c for c in grid.cells if c.seed == 1 and c.algorithm == "grpo"]
     run_grid(grid, tmp_path / "out", cells, lock=None, log=io.StringIO(), inputs=INPUTS)
     assert limits == {"demo/grpo/seed1": 1320.0, "p5/grpo/seed1": 1380.0}
 
 
 def make_cell(out: Path, regime: str, alg: str, seed: int, scores: list[float], restores=None) -> None:
-    """A finished 10-step cell of ``grid_file``'s grid: validations every 10 steps on 300 questions in
+    """A finished 10-step cell of ``GRID``: validations every 10 steps on 300 questions in
     ``demo``, every 5 on 100 in ``p5`` (``scores`` one per validation, step 0 first)."""
     every, questions = (5, 100) if regime == "p5" else (10, 300)
     assert len(scores) == 1 + 10 // every
@@ -99,7 +85,7 @@ def make_cell(out: Path, regime: str, alg: str, seed: int, scores: list[float], 
     )  # fmt: skip
 
 
-def test_measures_fall_rule_plots_guard_table_and_status_with_two_validation_protocols(tmp_path, capsys):
+def test_measures_fall_rule_plots_guard_table_and_status_with_two_validation_protocols(tmp_path, write_grid, capsys):
     out, res = tmp_path / "out", tmp_path / "res"
     # demo seed 1 falls 0.08 below its best: more than 2 SE of a difference of 300-question scores (0.071);
     # p5 seed 1 falls 0.09 and p5 seed 2 0.08 below theirs: less than 2 SE on 100 questions (0.130, 0.124)
@@ -112,7 +98,7 @@ def test_measures_fall_rule_plots_guard_table_and_status_with_two_validation_pro
     for s in (1, 2, 3):
         make_cell(out, "demo", "grpo_guard", s, [0.2, 0.2], restores=0)
         make_cell(out, "p5", "grpo_guard", s, [0.2, 0.25, 0.25], restores=0)
-    grid = grid_file(tmp_path)
+    grid = write_grid(tmp_path, GRID)
     assert cli.main(["aggregate", "--grid", str(grid), "--out", str(out), "--results", str(res)]) == 0
     runs = {
         (r["regime"], r["algorithm"], r["seed"]): r for r in json.loads((res / "stability.json").read_text())["runs"]

@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -171,12 +170,8 @@ def cell(out: Path, regime: str, alg: str, seed: int, vals: dict, restores: dict
                                    "data.seed": str(seed)}})  # fmt: skip
 
 
-def grid(tmp_path: Path, controls: str = "guard_controls: [demo]") -> Path:
-    (tmp_path / "config").mkdir(exist_ok=True)
-    (tmp_path / "config" / "sorl_trainer.yaml").write_text("{}\n")
-    (tmp_path / "study").mkdir(exist_ok=True)
-    path = tmp_path / "study" / "g.yaml"
-    path.write_text(textwrap.dedent(f"""\
+def grid_text(controls: str = "guard_controls: [demo]") -> str:
+    return f"""\
         name: g
         steps: 40
         test_freq: 10
@@ -187,11 +182,10 @@ def grid(tmp_path: Path, controls: str = "guard_controls: [demo]") -> Path:
           grpo: {{}}
           grpo_guard: {{overrides: {{sorl.guard.enable: true, sorl.guard.drop: 0.3, sorl.guard.patience: 1}}}}
         cells: [{{regimes: [demo, hot], algorithms: [grpo, grpo_guard], seeds: [1]}}]
-        """))  # fmt: skip
-    return path
+        """
 
 
-def test_the_rule_table_from_an_archive(tmp_path):
+def test_the_rule_table_from_an_archive(tmp_path, write_grid):
     out, res = tmp_path / "out", tmp_path / "res"
     res.mkdir()
     healthy = {0: val(0.2), 10: val(0.30), 20: val(0.29), 30: val(0.31), 40: val(0.30)}
@@ -205,7 +199,7 @@ def test_the_rule_table_from_an_archive(tmp_path):
     archive = tmp_path / "g.tar.xz"
     write_archive(out, archive)
     found = read_archive(archive)
-    g = load_grid(grid(tmp_path))
+    g = load_grid(write_grid(tmp_path, grid_text()))
     path = write_rule_table(g, found, stability(found, "g", "cmd")["runs"], res, "g")
     assert path == res / "g_rules.md"
     per_run = path.read_text().split("\n\n")[1].splitlines()  # the first table: one row per run
@@ -229,7 +223,7 @@ def test_the_rule_table_from_an_archive(tmp_path):
     # a grid without guard_controls: no table
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert write_rule_table(load_grid(grid(plain, "")), found, [], res, "plain") is None
+    assert write_rule_table(load_grid(write_grid(plain, grid_text(""))), found, [], res, "plain") is None
     assert not (res / "plain_rules.md").exists()
 
 
