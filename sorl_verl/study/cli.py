@@ -298,7 +298,7 @@ def _warnings(found: list, runs: list[dict], fall_rule: bool = False) -> str:
 def _guard(found: list, runs: list[dict], grid: Grid, cells: list) -> str | None:
     """The guard comparison and the GUARD-default verdict (:mod:`sorl_verl.study.guard_table`) for runs
     that include a guarded algorithm (None otherwise): run records with their checkpoint and validation
-    seconds, the grid's control regimes and its planned seeds per (regime, algorithm)."""
+    seconds, the grid's control regimes, its planned seeds per (regime, algorithm) and its protocol twins."""
     from sorl_verl.study.guard_table import guard_report, has_guarded, run_timing
 
     if not has_guarded(runs):
@@ -308,7 +308,7 @@ def _guard(found: list, runs: list[dict], grid: Grid, cells: list) -> str | None
     planned: dict[tuple[str, str], set[int]] = {}
     for c in cells:
         planned.setdefault((c.regime, c.algorithm), set()).add(c.seed)
-    return guard_report(timed, grid.guard_controls, planned)
+    return guard_report(timed, grid.guard_controls, planned, twins=grid.protocol_twins)
 
 
 def _archive_path(a: argparse.Namespace, grid: Grid, root: Path | None) -> Path | None:

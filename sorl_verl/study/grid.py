@@ -33,6 +33,11 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
         steps: 100                # optional: this regime's cells run 100 steps (default: the grid's steps)
         test_freq: 5              # optional: and validate every 5 steps (default: the grid's test_freq)
         val_max_samples: 100      # optional: on 100 questions (default: the grid's val_max_samples)
+      many_updates_p5:            # a protocol twin: many_updates' training (its overrides, equal: checked
+        protocol_of: many_updates # at load) validated every 5 steps on 100 questions; in the analysis it
+        test_freq: 5              # takes its base's role (optional; see below)
+        val_max_samples: 100
+        overrides: {actor_rollout_ref.actor.ppo_epochs: 4, actor_rollout_ref.actor.optim.lr: 5.0e-4}
     algorithms:
       grpo:
         overrides: {algorithm.adv_estimator: grpo, actor_rollout_ref.actor.policy_loss.loss_mode: vanilla}
@@ -73,6 +78,16 @@ Which questions a size of N picks: verl 0.9.1 (``RLHFDataset``) takes a seeded r
 rows, ``numpy.random.default_rng(data.seed).choice``, since ``data.shuffle`` is true; ``data.seed`` is
 the platform overlay's 42 and no committed grid makes it a seed key, so every cell and seed of a
 grid validates on the same N questions.
+
+A regime with ``protocol_of: <base>`` is a *protocol twin* of another regime of the grid (or of the
+included library): the base's training under another validation protocol (question 5 of
+natural.yaml: the ``*_p5`` regimes). At load, the base must exist, must not be the twin itself and
+must have no ``protocol_of`` of its own; the twin's overrides must equal the base's (as the cells
+write them) and every algorithm's ``per_regime`` entry for the twin must equal its entry for the
+base, so the two differ only in ``test_freq``, ``val_max_samples``, ``steps`` and the description;
+a twin may not be one of ``guard_controls``. The key changes no cell's overrides. The analysis reads
+it through :meth:`Grid.base_regime`: a twin is neither an admission candidate nor a control of the
+GUARD-default rule (guard_table.py), and in the rule table (rule_table.py) it takes its base's role.
 """
 
 from __future__ import annotations
@@ -119,7 +134,7 @@ GRID_KEYS = {
 }
 LIBRARY_KEYS = {"description", "seed_keys", "common", "algorithms", "regimes"}
 ENTRY_KEYS = {"description", "overrides", "per_regime", "sweep"}
-REGIME_KEYS = {"description", "overrides", "steps", "test_freq", "val_max_samples"}
+REGIME_KEYS = {"description", "overrides", "steps", "test_freq", "val_max_samples", "protocol_of"}
 #: the hydra key of a cell's run length: set from ``steps`` (the grid's or the regime's), never overridden
 STEPS_KEY = "trainer.total_training_steps"
 #: the hydra key of a cell's validation interval: set from ``test_freq`` (the grid's or the regime's)
@@ -160,6 +175,8 @@ class Entry:
     test_freq: int | None = None
     #: a regime's own validation size (None: the grid's ``val_max_samples``); algorithms have none
     val_max_samples: int | None = None
+    #: a protocol twin's base regime (None: not a twin; module docstring); algorithms have none
+    protocol_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +251,17 @@ class Grid:
     def val_max_samples_of(self, cell: Cell) -> int:
         """The cell's validation size: its own ``val_max_samples`` (its regime's, else the grid's), the grid's when unset."""
         return cell.val_max_samples if cell.val_max_samples is not None else self.val_max_samples
+
+    def base_regime(self, regime: str) -> str:
+        """The regime whose training ``regime`` runs: its ``protocol_of`` for a protocol twin, else itself
+        (a name the grid does not know is its own base)."""
+        entry = self.regimes.get(regime)
+        return entry.protocol_of if entry is not None and entry.protocol_of else regime
+
+    @property
+    def protocol_twins(self) -> frozenset[str]:
+        """The regimes with a ``protocol_of`` (neither admission candidates nor controls of question 4)."""
+        return frozenset(r for r in self.regimes if self.base_regime(r) != r)
 
     def select(self, patterns: Sequence[str] | None) -> list[Cell]:
         """Cells whose key matches any pattern (all cells when there is none); see :func:`matches`."""
@@ -383,6 +411,9 @@ def _raw_entries(loc: _Located, section: str, data: Any) -> dict[str, dict[str, 
         for key in REGIME_OWN:
             if key in raw:
                 entry[key] = _positive_int(loc, [section, name, key], raw[key])
+        if "protocol_of" in raw:
+            entry["protocol_of"] = _name(loc, [section, name, "protocol_of"], raw["protocol_of"])
+            entry["_protocol_loc"] = loc
         if "overrides" in raw:
             entry["overrides"] = _overrides(loc, [section, name, "overrides"], raw["overrides"])
         if "per_regime" in raw:
@@ -437,6 +468,8 @@ def _merge(base: dict[str, dict[str, Any]], top: dict[str, dict[str, Any]]) -> d
         for key in REGIME_OWN:
             if key in entry:
                 merged[key] = entry[key]
+        if "protocol_of" in entry:
+            merged["protocol_of"], merged["_protocol_loc"] = entry["protocol_of"], entry["_protocol_loc"]
     return out
 
 
@@ -450,6 +483,7 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
             "overrides": e.get("overrides", {}),
             "per_regime": e.get("per_regime", {}),
             **{key: e.get(key) for key in REGIME_OWN},
+            "protocol_of": e.get("protocol_of"),
         }
         sweep = e.get("sweep")
         if not sweep:
@@ -565,7 +599,15 @@ def load_grid(path: str | Path) -> Grid:
                 name_of = next(n for n, v in raw_alg.items() if v is a)
                 raise a["_loc"].error(["algorithms", name_of, "per_regime", r], f"unknown regime {r!r}")
 
+    _protocol_twins(raw_reg, regimes, algorithms)
     guard_controls = _guard_controls(loc, data.get("guard_controls"), regimes)
+    for i, c in enumerate(guard_controls):
+        if regimes[c].protocol_of:
+            raise loc.error(
+                ["guard_controls", i],
+                f"{c!r} is a protocol twin (protocol_of: {regimes[c].protocol_of}), not a control of its own; "
+                f"name its base regime",
+            )
     base = {
         STEPS_KEY: steps,
         TEST_FREQ_KEY: test_freq,
@@ -595,6 +637,53 @@ def load_grid(path: str | Path) -> Grid:
         warmstart_digest=warmstart_digest,
         guard_controls=guard_controls,
     )
+
+
+def _protocol_twins(
+    raw: Mapping[str, Mapping[str, Any]], regimes: Mapping[str, Entry], algorithms: Mapping[str, Entry]
+) -> None:
+    """Every ``protocol_of``: an existing other regime without one of its own, whose overrides (as the
+    cells write them) and algorithms' ``per_regime`` entries the twin shares (module docstring)."""
+
+    def formatted(overrides: Mapping[str, Any]) -> dict[str, str]:
+        return {k: format_value(v) for k, v in overrides.items()}
+
+    for name, entry in regimes.items():
+        base = entry.protocol_of
+        if base is None:
+            continue
+        loc, keys = raw[name]["_protocol_loc"], ["regimes", name, "protocol_of"]
+        if base == name:
+            raise loc.error(keys, "a regime cannot be its own protocol twin")
+        if base not in regimes:
+            raise loc.error(keys, f"unknown regime {base!r} (known: {', '.join(regimes)})")
+        if regimes[base].protocol_of:
+            raise loc.error(
+                keys,
+                f"{base!r} is itself a protocol twin (protocol_of: {regimes[base].protocol_of}); "
+                f"name the regime it is a twin of",
+            )
+        mine, theirs = formatted(entry.overrides), formatted(regimes[base].overrides)
+        if mine != theirs:
+            diff = sorted(set(mine) | set(theirs), key=str)
+            what = ", ".join(
+                f"{k} ({mine.get(k, 'unset')} here, {theirs.get(k, 'unset')} in {base})"
+                for k in diff
+                if mine.get(k) != theirs.get(k)
+            )
+            raise loc.error(
+                keys,
+                f"a protocol twin trains as its base: its overrides must equal {base!r}'s, which differ in {what} "
+                f"(a twin may differ only in test_freq, val_max_samples and steps)",
+            )
+        for alg in algorithms.values():
+            mine, theirs = formatted(alg.per_regime.get(name, {})), formatted(alg.per_regime.get(base, {}))
+            if mine != theirs:
+                raise loc.error(
+                    keys,
+                    f"a protocol twin trains as its base: algorithm {alg.name!r} has per_regime {mine or 'none'} "
+                    f"for {name!r} but {theirs or 'none'} for {base!r}",
+                )
 
 
 def _guard_controls(loc: _Located, value: Any, regimes: Mapping[str, Entry]) -> tuple[str, ...]:

@@ -28,7 +28,11 @@ minus :data:`RULE_UNGUARDED`); (c) in at least one *admitted* regime ``d > +K x 
 (``K =`` :data:`GUARD_DEFAULT_K`). Each part holds, fails or is undecided (the missing cells named).
 A regime other than a control is admitted (:func:`admission`) when unguarded :data:`RULE_UNGUARDED`
 gained and then lost the gain (``measures.lost_gain``) or collapsed in at least
-:data:`ADMIT_MIN_RUNS` of :data:`ADMIT_OF_SEEDS` seeds.
+:data:`ADMIT_MIN_RUNS` of :data:`ADMIT_OF_SEEDS` seeds. A protocol twin (a regime with ``protocol_of``,
+:attr:`~sorl_verl.study.grid.Grid.protocol_twins`: its base's training validated otherwise, natural.yaml's
+question 5) is neither an admission candidate nor a control: question 1 admits mechanisms and question 4
+is judged under the grid's own protocol, so the verdict leaves the twins' runs and cells out (the
+comparison and time tables still show any guarded pair of theirs).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sorl_verl.study.measures import GUARD_SECONDS, LOST_FRACTION, MIN_GAIN
@@ -329,17 +333,21 @@ def _lost_or_collapsed(run: Mapping) -> bool:
 
 
 def admission(
-    runs: Sequence[Mapping], controls: Sequence[str], planned: Mapping[tuple[str, str], Iterable[int]] | None = None
+    runs: Sequence[Mapping],
+    controls: Sequence[str],
+    planned: Mapping[tuple[str, str], Iterable[int]] | None = None,
+    twins: Collection[str] = (),
 ) -> list[Admission]:
-    """The admission of every regime other than a control that has unguarded :data:`RULE_UNGUARDED`
-    runs or cells: admitted with >= :data:`ADMIT_MIN_RUNS` hits; not admitted when the misses leave
-    too few seeds of :data:`ADMIT_OF_SEEDS`, or every seed the grid plans (``planned``: (regime,
-    algorithm) -> seeds) has run; else undecided, naming the planned seeds not yet run."""
+    """The admission of every regime other than a control or a protocol twin (``twins``) that has
+    unguarded :data:`RULE_UNGUARDED` runs or cells: admitted with >= :data:`ADMIT_MIN_RUNS` hits; not
+    admitted when the misses leave too few seeds of :data:`ADMIT_OF_SEEDS`, or every seed the grid plans
+    (``planned``: (regime, algorithm) -> seeds) has run; else undecided, naming the planned seeds not yet
+    run."""
     cells = by_cell(runs)
     regimes = {r for r, a in cells if a == RULE_UNGUARDED}
     regimes |= {r for r, a in (planned or {}) if a == RULE_UNGUARDED}
     out = []
-    for regime in sorted(regimes - set(controls)):
+    for regime in sorted(regimes - set(controls) - set(twins)):
         judged = [r for r in cells.get((regime, RULE_UNGUARDED), {}).values() if r.get("judged")]
         hits = sum(_lost_or_collapsed(r) for r in judged)
         ran = set(cells.get((regime, RULE_UNGUARDED), {}))
@@ -459,11 +467,16 @@ def verdict(
     controls: Sequence[str],
     planned: Mapping[tuple[str, str], Iterable[int]] | None = None,
     k: float = GUARD_DEFAULT_K,
+    twins: Collection[str] = (),
 ) -> str:
-    """Markdown: the rule, the admission of each regime, parts (a)-(c) and the decision."""
+    """Markdown: the rule, the admission of each regime, parts (a)-(c) and the decision. Protocol twins
+    (``twins``) are left out of the admission, so of part (c); parts (a) and (b) read the controls only,
+    which are never twins (the grid refuses one in ``guard_controls``)."""
     if not controls:
         return "No verdict of the GUARD-default rule: the grid names no guard_controls.\n"
-    admitted = admission(runs, controls, planned)
+    if set(controls) & set(twins):
+        raise ValueError(f"a protocol twin is not a control: {sorted(set(controls) & set(twins))}")
+    admitted = admission(runs, controls, planned, twins)
     parts = [part_a(runs, controls), part_b(runs, controls, k), part_c(admitted, runs, k)]
     lines = [
         f"### The recipes' GUARD default (rule: {RULE_SOURCE})",
@@ -482,13 +495,17 @@ def verdict(
 
 
 def guard_report(
-    runs: Sequence[Mapping], controls: Sequence[str], planned: Mapping[tuple[str, str], Iterable[int]] | None = None
+    runs: Sequence[Mapping],
+    controls: Sequence[str],
+    planned: Mapping[tuple[str, str], Iterable[int]] | None = None,
+    twins: Collection[str] = (),
 ) -> str:
-    """The whole ``<name>_guard.md``: the comparison table, the time table, their notes and the verdict.
-    ``runs`` are stability.json run records with :func:`run_timing`'s keys added."""
+    """The whole ``<name>_guard.md``: the comparison table, the time table, their notes and the verdict
+    (``twins``: the grid's protocol twins, left out of the verdict). ``runs`` are stability.json run
+    records with :func:`run_timing`'s keys added."""
     ps = pairs(runs)
     return (
         "## The collapse guard: guarded against unguarded runs\n\n"
         f"{comparison_table(ps, controls)}\n{FOOTNOTES}\n\n"
-        f"{time_table(ps)}\n{TIME_NOTE}\n\n{verdict(runs, controls, planned)}"
+        f"{time_table(ps)}\n{TIME_NOTE}\n\n{verdict(runs, controls, planned, twins=twins)}"
     )

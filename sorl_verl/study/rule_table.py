@@ -14,13 +14,15 @@ validations, else ``val-core/*/<var>/mean@*`` with the run's core variable (``ac
 function returns one, e.g. ``partial_credit``), the ``val_metric`` a guarded run there would need.
 
 One row per run (every arm, guarded or not): the regime's role (a control of ``guard_controls``, or its
-admission by :func:`~sorl_verl.study.guard_table.admission`), the validation protocol (``test_freq``
-from the run's overrides, and the questions a validation averages: from the run's question records,
-else the ``data.val_max_samples`` override), the guard's own first restore (guarded runs), each rule's
-:class:`~sorl_verl.study.rule_replay.Replay`, and the share of the wall time spent validating
-(:func:`~sorl_verl.study.guard_table.run_timing`, the guard table's measure). Under it, per regime and
-algorithm and rule: the runs that fired and their mean step (false restores in a control regime,
-detections elsewhere), with censored and unreplayable runs counted apart.
+admission by :func:`~sorl_verl.study.guard_table.admission`; a protocol twin, a regime with
+``protocol_of``, takes its base regime's role (:meth:`~sorl_verl.study.grid.Grid.base_regime`), shown
+as ``admitted (protocol_of <base>)``: question 5 counts fires per role and protocol), the validation
+protocol (``test_freq`` from the run's overrides, and the questions a validation averages: from the
+run's question records, else the ``data.val_max_samples`` override), the guard's own first restore
+(guarded runs), each rule's :class:`~sorl_verl.study.rule_replay.Replay`, and the share of the wall
+time spent validating (:func:`~sorl_verl.study.guard_table.run_timing`, the guard table's measure).
+Under it, per regime and algorithm and rule: the runs that fired and their mean step (false restores in
+a control regime, detections elsewhere), with censored and unreplayable runs counted apart.
 """
 
 from __future__ import annotations
@@ -94,12 +96,15 @@ def _questions(rec: Mapping[str, Any], trace: Trace, pattern: str) -> str:
 
 
 def roles(grid: Any, runs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """regime -> ``control`` or its admission status (the grid's planned cells decide what is missing)."""
+    """regime -> ``control`` or its admission status (the grid's planned cells decide what is missing);
+    a protocol twin -> its base regime's role, ``<role> (protocol_of <base>)``."""
     planned: dict[tuple[str, str], set[int]] = {}
     for c in grid.cells:
         planned.setdefault((c.regime, c.algorithm), set()).add(c.seed)
-    out = {a.regime: a.status for a in admission(runs, grid.guard_controls, planned)}
-    return out | {c: CONTROL for c in grid.guard_controls}
+    twins = grid.protocol_twins
+    out = {a.regime: a.status for a in admission(runs, grid.guard_controls, planned, twins)}
+    out |= {c: CONTROL for c in grid.guard_controls}
+    return out | {t: f"{out.get(grid.base_regime(t), '-')} (protocol_of {grid.base_regime(t)})" for t in twins}
 
 
 def rule_rows(
@@ -211,7 +216,9 @@ def notes(configs: Mapping[str, GuardConfig]) -> str:
         "would first restore: a detection in an admitted regime, a false restore in a control. Guarded runs "
         "are replayed up to and including their first restore ('censored at step N': no fire by then). "
         "'n/a (no question records)': the run was made before the SORL trainers logged the question records "
-        "with the guard off. Questions: from the run's question records, else its data.val_max_samples. "
+        "with the guard off. Role: a control (guard_controls) or the regime's admission (the guard table's "
+        "rule); a regime marked protocol_of another (the same training, validated otherwise) has its base's "
+        "role. Questions: from the run's question records, else its data.val_max_samples. "
         "Validation share: verl's timing_s/testing summed over the run / the cell's wall time (the validation "
         "before training is not timed by verl 0.9.1)."
     )

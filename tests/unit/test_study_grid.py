@@ -395,7 +395,8 @@ def test_a_regimes_steps_merge_over_the_included_library(tmp_path, write_grid):
         (
             ("steps: 10", "stepz: 10"),
             9,
-            "regimes.long.stepz: unknown key (allowed: description, overrides, steps, test_freq, val_max_samples)",
+            "regimes.long.stepz: unknown key (allowed: description, overrides, protocol_of, steps, test_freq, "
+            "val_max_samples)",
         ),
         (("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, steps: 3}"), 11, "algorithms.a.steps: unknown key"),
         # the run length is the steps key's alone: no override (any prefix) or sweep may set it
@@ -651,12 +652,15 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
     for name, of in p5.items():
         regime = grid.regimes[name]
         assert (regime.steps, regime.test_freq, regime.val_max_samples) == (None, 5, 100), name
-        # the training of the regime it is the P5 protocol of, unchanged (an alias / a copy of its overrides)
+        # the training of the regime it is the P5 protocol of, unchanged (an alias / a copy of its overrides;
+        # load_grid checks it for a protocol_of), whose role it takes in the guard and rule tables
         assert dict(regime.overrides) == dict(grid.regimes[of].overrides), name
+        assert regime.protocol_of == of and grid.base_regime(name) == of, name
         assert "P5 protocol of question 5" in regime.description, name
     # every other regime keeps the grid's protocol: 300 questions every 10 steps, and its cells their overrides
     others = [r for r in grid.regimes.values() if r.name not in p5]
     assert {(r.test_freq, r.val_max_samples) for r in others} == {(None, None)}
+    assert grid.protocol_twins == set(p5) and not set(grid.guard_controls) & grid.protocol_twins
     assert {(c.test_freq, c.val_max_samples) for c in grid.cells if c.regime not in p5} == {(10, 300)}
     # question 5's cells: unguarded grpo, seeds 1-3, in both P5 regimes
     assert sorted((c.regime, c.algorithm, c.seed) for c in grid.cells if c.regime in p5) == [

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sorl_verl.study import cli
+from sorl_verl.study.grid import load_grid
 from sorl_verl.study.guard_table import (
     FAILS,
     GUARD_DEFAULT_K,
@@ -20,6 +21,7 @@ from sorl_verl.study.guard_table import (
     comparison_table,
     decision,
     diff_se,
+    guard_report,
     pairs,
     part_a,
     part_b,
@@ -207,6 +209,30 @@ def test_the_verdict_names_the_rule_its_source_admission_and_parts():
     assert verdict(runs, []).startswith("No verdict")
 
 
+def test_a_protocol_twin_is_no_admission_candidate_and_part_c_does_not_wait_for_it():
+    # hot admitted (2 of 3), the guard no better there: (c) fails once nothing else is open
+    runs = arms("demo", [0.10, 0.12, 0.14], [0.10, 0.12, 0.14])
+    runs += hot_lost([0.02, 0.03, 0.10], [True, True, False])
+    runs += [run("hot", "grpo_guard", s, g) for s, g in enumerate([0.02, 0.03, 0.10], 1)]
+    # hot_p5 and demo_p5: the two regimes' training under another protocol, planned, one run so far
+    runs += [run("hot_p5", "grpo", 1, 0.0, peak=0.2, lost=True)]
+    planned = {("hot", "grpo"): {1, 2, 3}, ("hot_p5", "grpo"): {1, 2, 3}, ("demo_p5", "grpo"): {1, 2, 3}}
+    twins = {"hot_p5", "demo_p5"}
+    assert [(a.regime, a.status) for a in admission(runs, ["demo"], planned)] == [
+        ("demo_p5", UNDECIDED), ("hot", "admitted"), ("hot_p5", UNDECIDED)
+    ]  # fmt: skip
+    assert [(a.regime, a.status) for a in admission(runs, ["demo"], planned, twins)] == [("hot", "admitted")]
+    # without the twins known, (c) waits for their cells; with them it is decided
+    assert "- (c) **undecided**" in verdict(runs, ["demo"], planned) and "hot_p5" in verdict(runs, ["demo"], planned)
+    text = verdict(runs, ["demo"], planned, twins=twins)
+    assert "_p5" not in text
+    assert "- (c) **fails**: hot: d = +0.0000" in text and "Decision: **GUARD=0 (a part fails)**." in text
+    assert guard_report(runs, ["demo"], planned, twins=twins).endswith(text)
+    # (a) and (b) read the controls, which a twin never is
+    with pytest.raises(ValueError, match="a protocol twin is not a control"):
+        verdict(runs, ["demo", "demo_p5"], planned, twins=twins)
+
+
 def test_the_rule_text_and_the_grid_comment_agree():
     """natural.yaml's question 4 states the same multiple of the SE and the same number of seeds as the code."""
     comment = "\n".join(line for line in (ROOT / "recipe/sorl/study/natural.yaml").read_text().splitlines()
@@ -319,3 +345,41 @@ def test_aggregate_writes_the_guard_table_only_for_a_study_with_a_guarded_algori
     args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots", "--only", "/grpo/"]
     assert cli.main([*args, "--results", str(res), "--name", "unguarded"]) == 0
     assert not (res / "unguarded_guard.md").exists()
+
+
+def test_aggregate_leaves_the_grids_protocol_twins_out_of_the_verdict(tmp_path, write_grid):
+    out, res = tmp_path / "out", tmp_path / "res"
+    for s in (1, 2, 3):
+        cell(out, "demo", "grpo", s, [0.2, 0.3, 0.3])
+        cell(out, "demo", "grpo_guard", s, [0.2, 0.3, 0.3])
+        cell(out, "hot", "grpo", s, [0.2, 0.3, 0.2] if s < 3 else [0.2, 0.3, 0.3])  # gained then lost: 2 of 3
+        cell(out, "hot", "grpo_guard", s, [0.2, 0.3, 0.2] if s < 3 else [0.2, 0.3, 0.3])
+    text = """\
+        name: g
+        steps: 4
+        test_freq: 2
+        seed_keys: [data.seed]
+        guard_controls: [demo]
+        regimes:
+          demo: {}
+          hot: {}
+          hot_p5: {protocol_of: hot, test_freq: 1}
+          demo_p5: {protocol_of: demo, test_freq: 1}
+        algorithms: {grpo: {}, grpo_guard: {}}
+        cells:
+          - {regimes: [demo, hot], algorithms: [grpo, grpo_guard], seeds: [1, 2, 3]}
+          - {regimes: [hot_p5, demo_p5], algorithms: [grpo], seeds: [1, 2, 3]}
+        """
+    path = write_grid(tmp_path, text)
+    assert load_grid(path).protocol_twins == {"hot_p5", "demo_p5"}
+    args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots"]
+    assert cli.main([*args, "--results", str(res)]) == 0
+    guard = (res / "stability_guard.md").read_text()
+    assert "- hot: admitted (2 of 3 judged seeds meet the rule)" in guard and "_p5" not in guard
+    assert "- (c) **fails**: hot: d = +0.0000" in guard and "Decision: **GUARD=0 (a part fails)**." in guard
+    # the same grid with the twins as regimes of their own: candidates, and (c) waits for them
+    path = write_grid(tmp_path, text.replace("protocol_of: hot, ", "").replace("protocol_of: demo, ", ""), "own.yaml")
+    args = ["aggregate", "--grid", str(path), "--out", str(out), "--no-plots"]
+    assert cli.main([*args, "--results", str(res), "--name", "own"]) == 0
+    own = (res / "own_guard.md").read_text()
+    assert "- hot_p5: undecided" in own and "- demo_p5: undecided" in own and "- (c) **undecided**" in own

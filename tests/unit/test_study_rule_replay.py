@@ -17,7 +17,7 @@ from sorl_verl.study.archive import read_archive, write_archive
 from sorl_verl.study.grid import load_grid
 from sorl_verl.study.metrics import parse_records
 from sorl_verl.study.rule_replay import NO_RECORDS, Replay, guard_config, replay, replay_run, validation_questions
-from sorl_verl.study.rule_table import fires_text, write_rule_table
+from sorl_verl.study.rule_table import fires_text, roles, write_rule_table
 from sorl_verl.study.runner import write_record
 from sorl_verl.trainer.guard_rule import GuardConfig
 
@@ -159,14 +159,15 @@ def test_guard_config_reads_an_algorithms_overrides_and_questions_come_from_the_
 # --- the table --------------------------------------------------------------------------------
 
 
-def cell(out: Path, regime: str, alg: str, seed: int, vals: dict, restores: dict | None = None) -> None:
+def cell(out: Path, regime: str, alg: str, seed: int, vals: dict, restores: dict | None = None,
+         test_freq: int = 10, questions: int = 300) -> None:  # fmt: skip
     d = out / regime / alg / f"seed{seed}"
     d.mkdir(parents=True)
     (d / "metrics.jsonl").write_text("\n".join(metrics_lines(vals, restores, steps=40)) + "\n")
     write_record(d, {"key": f"{regime}/{alg}/seed{seed}", "regime": regime, "algorithm": alg, "seed": seed,
                      "steps": 40, "status": "done", "exit_code": 0, "wall_s": 100.0,
-                     "overrides": {"trainer.total_training_steps": "40", "trainer.test_freq": "10",
-                                   "data.val_max_samples": "300", "data.val_batch_size": "300",
+                     "overrides": {"trainer.total_training_steps": "40", "trainer.test_freq": str(test_freq),
+                                   "data.val_max_samples": str(questions), "data.val_batch_size": str(questions),
                                    "data.seed": str(seed)}})  # fmt: skip
 
 
@@ -225,6 +226,70 @@ def test_the_rule_table_from_an_archive(tmp_path, write_grid):
     plain.mkdir()
     assert write_rule_table(load_grid(write_grid(plain, grid_text(""))), found, [], res, "plain") is None
     assert not (res / "plain_rules.md").exists()
+
+
+TWIN_GRID = """\
+    name: g
+    steps: 40
+    test_freq: 10
+    seed_keys: [data.seed]
+    guard_controls: [demo]
+    regimes:
+      demo: {}
+      hot: {}
+      hot_p5: {protocol_of: hot, test_freq: 5, val_max_samples: 100}
+      demo_p5: {protocol_of: demo, test_freq: 5, val_max_samples: 100}
+    algorithms:
+      grpo: {}
+      grpo_guard: {overrides: {sorl.guard.enable: true, sorl.guard.drop: 0.3, sorl.guard.patience: 1}}
+    cells:
+      - {regimes: [demo, hot], algorithms: [grpo], seeds: [1, 2]}
+      - {regimes: [hot_p5, demo_p5], algorithms: [grpo], seeds: [1]}
+"""
+
+
+def test_a_protocol_twin_takes_its_base_regimes_role_in_the_rule_table(tmp_path, write_grid):
+    out, res = tmp_path / "out", tmp_path / "res"
+    res.mkdir()
+    healthy = {0: val(0.2), 10: val(0.30), 20: val(0.29), 30: val(0.31), 40: val(0.30)}
+    falls = {0: val(0.2), 10: val(0.30), 20: val(0.22), 30: val(0.10), 40: val(0.10)}
+    for s in (1, 2):
+        cell(out, "demo", "grpo", s, healthy)
+        cell(out, "hot", "grpo", s, falls)  # gained then lost in 2 of 2 planned seeds: admitted
+    # P5: every 5 steps on 100 questions; hot_p5 falls below drop's line (0.21) and stderr's (0.11) at step 20
+    fives = {0: 0.2, 5: 0.30, 10: 0.30, 15: 0.25, 20: 0.10, 25: 0.10, 30: 0.10, 35: 0.10, 40: 0.10}
+    cell(out, "hot_p5", "grpo", 1, {s: val(v, 100) for s, v in fives.items()}, test_freq=5, questions=100)
+    cell(out, "demo_p5", "grpo", 1, {s: val(0.3 if s else 0.2, 100) for s in fives}, test_freq=5, questions=100)
+    archive = tmp_path / "g.tar.xz"
+    write_archive(out, archive)
+    found = read_archive(archive)
+    runs = stability(found, "g", "cmd")["runs"]
+    grid = load_grid(write_grid(tmp_path, TWIN_GRID))
+    assert roles(grid, runs) == {
+        "demo": "control",
+        "hot": "admitted",
+        "demo_p5": "control (protocol_of demo)",
+        "hot_p5": "admitted (protocol_of hot)",
+    }
+    text = write_rule_table(grid, found, runs, res, "g").read_text()
+    per_run = text.split("\n\n")[1].splitlines()
+    rows = {tuple(c.strip() for c in line.split("|")[1:5]): line for line in per_run[2:]}
+    # the twin's rows: its base's role, its own protocol (5 steps, 100 questions); 8 validations x 5 s of 100 s
+    assert rows[("hot_p5", "admitted (protocol_of hot)", "grpo", "1")].endswith(
+        "| 5 steps | 100 | - | step 20 | step 20 | 40.0% |"
+    )
+    assert rows[("demo_p5", "control (protocol_of demo)", "grpo", "1")].endswith(
+        "| 5 steps | 100 | - | no fire | no fire | 40.0% |"
+    )
+    assert rows[("hot", "admitted", "grpo", "1")].endswith("| 10 steps | 300 (val_max_samples) | - | step 30 |"
+                                                           " n/a (no question records) | 20.0% |")  # fmt: skip
+    assert "| hot_p5 | admitted (protocol_of hot) | grpo | 1 | 1 of 1 (step 20) | 1 of 1 (step 20) |" in text
+    assert "| demo_p5 | control (protocol_of demo) | grpo | 1 | 0 of 1 | 0 of 1 |" in text
+    # the same regimes without protocol_of: candidates of their own (one seed planned: not admitted)
+    own = TWIN_GRID.replace("protocol_of: hot, ", "").replace("protocol_of: demo, ", "")
+    plain = load_grid(write_grid(tmp_path, own, "own.yaml"))
+    assert roles(plain, runs) == {"demo": "control", "hot": "admitted", "demo_p5": "not admitted",
+                                  "hot_p5": "not admitted"}  # fmt: skip
 
 
 def test_fires_are_counted_apart_from_censored_and_unreplayable_runs():
