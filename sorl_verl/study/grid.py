@@ -84,7 +84,8 @@ included library): the base's training under another validation protocol (questi
 natural.yaml: the ``*_p5`` regimes). At load, the base must exist, must not be the twin itself and
 must have no ``protocol_of`` of its own; the twin's overrides must equal the base's (as the cells
 write them) and every algorithm's ``per_regime`` entry for the twin must equal its entry for the
-base, so the two differ only in ``test_freq``, ``val_max_samples``, ``steps`` and the description;
+base, and its ``steps`` must be the base's (the lr schedule spans the run), so the two differ only in
+``test_freq``, ``val_max_samples`` and the description;
 a twin may not be one of ``guard_controls``. The key changes no cell's overrides. The analysis reads
 it through :meth:`Grid.base_regime`: a twin is neither an admission candidate nor a control of the
 GUARD-default rule (guard_table.py), and in the rule table (rule_table.py) it takes its base's role.
@@ -674,7 +675,14 @@ def _protocol_twins(
             raise loc.error(
                 keys,
                 f"a protocol twin trains as its base: its overrides must equal {base!r}'s, which differ in {what} "
-                f"(a twin may differ only in test_freq, val_max_samples and steps)",
+                f"(a twin may differ only in test_freq and val_max_samples)",
+            )
+        if entry.steps != regimes[base].steps:
+            # the lr schedule (warm-up, cosine decay) spans trainer.total_training_steps: other steps, other training
+            raise loc.error(
+                keys,
+                f"a protocol twin trains as its base: steps {entry.steps or 'the grid default'} here but "
+                f"{regimes[base].steps or 'the grid default'} in {base!r} (the lr schedule spans the run's steps)",
             )
         for alg in algorithms.values():
             mine, theirs = formatted(alg.per_regime.get(name, {})), formatted(alg.per_regime.get(base, {}))

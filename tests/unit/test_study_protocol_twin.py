@@ -60,10 +60,17 @@ def test_a_protocol_twin_names_its_base_and_changes_no_cell(tmp_path, write_grid
         assert [base[k] for k in PROTOCOL_KEYS] == ["10", "10", "300", "300"]
 
 
-def test_a_protocol_twin_may_run_other_steps(tmp_path, write_grid):
+def test_a_protocol_twin_runs_its_base_s_steps(tmp_path, write_grid):
+    """The lr schedule (warm-up, cosine decay) spans the run's steps: a twin of other length trains otherwise."""
     text = textwrap.dedent(TWIN_GRID).replace("    test_freq: 5\n", "    test_freq: 5\n    steps: 20\n", 1)
-    grid = load_grid(write_grid(tmp_path, text))
-    assert grid.base_regime("hot_p5") == "hot" and {c.steps for c in grid.cells if c.regime == "hot_p5"} == {20}
+    with pytest.raises(GridError, match=r"hot_p5.protocol_of: a protocol twin trains as its base: steps 20 here but "
+                       r"the grid default in 'hot' \(the lr schedule spans the run's steps\)"):  # fmt: skip
+        load_grid(write_grid(tmp_path, text))
+    base = "hot: {overrides: {x.y: 2, x.w: 0.5}}"
+    assert base in text
+    same = text.replace(base, "hot: {steps: 20, overrides: {x.y: 2, x.w: 0.5}}")  # the base at 20 steps too: allowed
+    grid = load_grid(write_grid(tmp_path, same))
+    assert {c.steps for c in grid.cells if c.regime in ("hot", "hot_p5")} == {20}
 
 
 def test_a_protocol_twin_merges_over_the_included_library(tmp_path, write_grid):
@@ -123,7 +130,7 @@ def test_a_protocol_twin_merges_over_the_included_library(tmp_path, write_grid):
             ("overrides: {x.w: 0.5, x.y: 2}", "overrides: {x.w: 0.5, x.y: 3}"),
             11,
             "regimes.hot_p5.protocol_of: a protocol twin trains as its base: its overrides must equal 'hot''s, "
-            "which differ in x.y (3 here, 2 in hot) (a twin may differ only in test_freq, val_max_samples and steps)",
+            "which differ in x.y (3 here, 2 in hot) (a twin may differ only in test_freq and val_max_samples)",
         ),
         (("overrides: {x.w: 0.5, x.y: 2}", "overrides: {x.y: 2}"), 11, "differ in x.w (unset here, 0.5 in hot)"),
         (
