@@ -35,7 +35,8 @@ from sorl_verl.study.runner import METRICS, RECORD, read_record
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
 
 
-def _mean(values: Iterable[float]) -> float | None:
+def finite_mean(values: Iterable[float]) -> float | None:
+    """The mean of the finite values (None when there is none)."""
     vals = [v for v in values if math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
 
@@ -53,12 +54,18 @@ def _float_or_none(text: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def update_scales(trace: Trace) -> list[float]:
-    """Per step, the factor SORL applied to the update: ``update_scale`` if logged, else ``1/Z``."""
-    scale = [v for _, v in trace.series("actor/sorl/update_scale")]
+def update_scale_series(trace: Trace) -> list[tuple[int, float]]:
+    """``(step, factor)``: the factor SORL applied to the update at each step, ``update_scale`` if
+    logged, else ``1/Z`` (steps with Z <= 0 left out)."""
+    scale = trace.series("actor/sorl/update_scale")
     if scale:
-        return scale
-    return [1.0 / z for _, z in trace.series("actor/sorl/norm_factor") if z > 0]
+        return list(scale)
+    return [(s, 1.0 / z) for s, z in trace.series("actor/sorl/norm_factor") if z > 0]
+
+
+def update_scales(trace: Trace) -> list[float]:
+    """Per step, the factor SORL applied to the update (:func:`update_scale_series` without the steps)."""
+    return [v for _, v in update_scale_series(trace)]
 
 
 def finite_or_none(obj: Any) -> Any:
@@ -118,16 +125,16 @@ def run_record(cell: dict[str, Any], trace: Trace) -> dict[str, Any]:
             "wall_s": cell.get("wall_s"),
             "exit_code": cell.get("exit_code"),
             "lr": _float_or_none(cell.get("overrides", {}).get(LR_KEY)),
-            "mean_norm_factor": _mean(v for _, v in trace.series("actor/sorl/norm_factor")),
-            "mean_update_scale": _mean(scales),
-            "mean_loss_scale": _mean(v for _, v in trace.series("actor/sorl/loss_scale")),
+            "mean_norm_factor": finite_mean(v for _, v in trace.series("actor/sorl/norm_factor")),
+            "mean_update_scale": finite_mean(scales),
+            "mean_loss_scale": finite_mean(v for _, v in trace.series("actor/sorl/loss_scale")),
             "max_sorl_clipfrac": _max(
                 v for k in ("actor/sorl/turn_clipfrac", "actor/sorl/token_clipfrac") for _, v in trace.series(k)
             ),
             "max_pg_clipfrac": _max(v for _, v in trace.series("actor/pg_clipfrac")),
             "max_ppo_kl": _max(v for _, v in trace.series("actor/ppo_kl")),
             "max_staleness": _max(v for _, v in trace.series("training/off_policy/trajectory_staleness/max")),
-            "mean_rollout_probs_diff": _mean(v for _, v in trace.series("training/rollout_probs_diff_mean")),
+            "mean_rollout_probs_diff": finite_mean(v for _, v in trace.series("training/rollout_probs_diff_mean")),
             "model_digest": cell.get("model_digest"),
             "cpu": cell.get("cpu"),
             **(guard.as_dict() if guard.logged else {}),

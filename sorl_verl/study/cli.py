@@ -16,6 +16,8 @@ under ``flock``). ``aggregate`` writes ``stability.json``, ``stability_<regime>.
 (``*_guard``), ``stability_guard.md`` (the guard's comparison and the GUARD-default verdict,
 :mod:`sorl_verl.study.guard_table`) and, for a grid with ``guard_controls``, ``stability_rules.md`` (each
 run's first fire under the guard's drop and stderr rules, replayed: :mod:`sorl_verl.study.rule_table`)
+and, for a grid with ``grpo`` and ``so_grpo_grad`` variants in one regime, ``stability_dose.md`` and
+``stability_dose.png`` (issue 49's dose-response and its reading rule, :mod:`sorl_verl.study.dose_table`)
 (names from ``--name``) into ``--results`` (default: the repository's
 ``docs/results``) and prints the table and the per-regime lr for ``grpo_lowlr``; with
 ``--from-archive`` it reads the runs from the grid's archive instead of the run directory.
@@ -253,6 +255,9 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
     rules = write_rule_table(grid, found, data["runs"], results, a.name)
     if rules is not None:
         print(f"wrote {rules}")
+    from sorl_verl.study.dose_table import write_dose_table
+
+    dose = write_dose_table(grid, cells, found, data["runs"], results, a.name, plots=not a.no_plots)
     print(table)
     print(f"wrote {path} ({len(data['runs'])} runs, {len(data['not_run'])} cells not run)")
     if not a.no_plots:
@@ -267,6 +272,11 @@ def _cmd_aggregate(a: argparse.Namespace, grid: Grid) -> int:
             f"lr for grpo_lowlr in {regime}: {matched} "
             f"(= lr {m['lr']} x mean update scale {m['mean_update_scale']:.3f} of {m['runs']} {m['reference']} runs)"
         )
+    if dose is not None:
+        paths, matched = dose
+        print("\n".join(f"wrote {p}" for p in paths))
+        for m in matched:
+            print(m.text())
     return 0
 
 

@@ -375,16 +375,21 @@ class Part:
     detail: str
 
 
-def _missing(cells: Mapping[tuple[str, str], dict[int, Mapping]], regime: str, algs: Sequence[str]) -> list[str]:
-    """The cells of :data:`RULE_SEEDS` without a judged run."""
-    return [f"{regime}/{a}/seed{s}" for a in algs for s in RULE_SEEDS
-            if not judged(cells.get((regime, a), {}).get(s, {}))]  # fmt: skip
+def missing_cells(
+    cells: Mapping[tuple[str, str], dict[int, Mapping]],
+    regime: str,
+    algs: Sequence[str],
+    seeds: Sequence[int] = RULE_SEEDS,
+) -> list[str]:
+    """The cells ``<regime>/<algorithm>/seed<k>`` of ``seeds`` (default :data:`RULE_SEEDS`) without a judged
+    run (``cells``: :func:`by_cell` of the runs)."""
+    return [f"{regime}/{a}/seed{s}" for a in algs for s in seeds if not judged(cells.get((regime, a), {}).get(s, {}))]
 
 
 def _compare(cells: Mapping, regime: str) -> Diff | None:
     """The final-gain difference :data:`RULE_GUARDED` - :data:`RULE_UNGUARDED` over :data:`RULE_SEEDS`
     in a regime (None while a cell is missing)."""
-    if _missing(cells, regime, (RULE_UNGUARDED, RULE_GUARDED)):
+    if missing_cells(cells, regime, (RULE_UNGUARDED, RULE_GUARDED)):
         return None
     g = [cells[(regime, RULE_GUARDED)][s]["gain"] for s in RULE_SEEDS]
     u = [cells[(regime, RULE_UNGUARDED)][s]["gain"] for s in RULE_SEEDS]
@@ -417,7 +422,7 @@ def part_b(runs: Sequence[Mapping], controls: Sequence[str], k: float = GUARD_DE
     for c in controls:
         diff = _compare(cells, c)
         if diff is None:
-            missing += _missing(cells, c, (RULE_UNGUARDED, RULE_GUARDED))
+            missing += missing_cells(cells, c, (RULE_UNGUARDED, RULE_GUARDED))
             continue
         failed |= not diff.d > -k * (diff.se or 0.0)
         texts.append(_compare_text(c, diff, k, -1))
@@ -440,7 +445,7 @@ def part_c(admitted: Sequence[Admission], runs: Sequence[Mapping], k: float = GU
             continue
         diff = _compare(cells, a.regime)
         if diff is None:
-            missing += _missing(cells, a.regime, (RULE_UNGUARDED, RULE_GUARDED))
+            missing += missing_cells(cells, a.regime, (RULE_UNGUARDED, RULE_GUARDED))
             continue
         held |= diff.d > k * (diff.se or 0.0)
         texts.append(_compare_text(a.regime, diff, k, +1))
