@@ -71,7 +71,7 @@ DOMINATES, DOES_NOT = "dominates", "does not dominate"
 def rule_text(k: float = K, n: int = len(SEEDS)) -> str:
     """The reading rule in words, from the module's constants."""
     return (
-        f"A tau DOMINATES a control when its mean final gain exceeds the control's by more than {k:g} standard "
+        f"a tau DOMINATES a control when its mean final gain exceeds the control's by more than {k:g} standard "
         f"errors of the difference (two {n}-seed means) and its mean peak gain is not lower by more than {k:g} "
         f'standard errors. The answer to issue 49 is "yes" if some tau dominates matched-step GRPO, "no" if none '
         f"does. The defaults (clip_norm_tau, clip_norm_reference) change only if one tau dominates both grpo and "
