@@ -23,22 +23,45 @@ run's question records, else the ``data.val_max_samples`` override), the guard's
 time spent validating (:func:`~sorl_verl.study.guard_table.run_timing`, the guard table's measure).
 Under it, per regime and algorithm and rule: the runs that fired and their mean step (false restores in
 a control regime, detections elsewhere), with censored and unreplayable runs counted apart.
+
+Last, question 5's verdict (:func:`default_rule_verdict`, natural.yaml's DEFAULT RULE, its text
+:func:`default_rule_text` generated from the constants below): the protocols are the grid's own
+``test_freq`` / ``val_max_samples`` (every regime without ``protocol_of``: P10 in natural.yaml) and each
+distinct one of a protocol twin (P5); the units are the seeds of :data:`RULE_UNGUARDED` in a control or
+admitted regime, each replayed from the unguarded run where the rule can be, else from its guarded twin
+:data:`RULE_GUARDED` (censored at its first restore: no fire by then), else missing (:data:`UNITS_TEXT`).
+Per (rule, protocol) the admitted-regime and control units that fired; per protocol whether
+:data:`CANDIDATE_RULE` under it beats :data:`DEFAULT_RULE` under the grid's own protocol
+(:func:`protocol_part`: holds / fails / undecided naming the missing units); the decision
+(:func:`default_decision`): the candidate where some protocol holds, the default where all fail.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sorl_verl.study.guard_table import RULE_GUARDED, admission, run_timing, share
+from sorl_verl.study.grid import TEST_FREQ_KEY
+from sorl_verl.study.guard_table import (
+    FAILS,
+    HOLDS,
+    RULE_GUARDED,
+    RULE_UNGUARDED,
+    UNDECIDED,
+    Part,
+    admission,
+    run_timing,
+    share,
+)
 from sorl_verl.study.measures import GUARD_RESTORES
 from sorl_verl.study.metrics import Trace, parse_val_key
 from sorl_verl.study.rule_replay import Replay, first_restore, guard_config, replay_run, validation_questions
 from sorl_verl.study.warning_signals import validation_size
-from sorl_verl.trainer.guard_rule import GuardConfig, validation_score
+from sorl_verl.trainer.guard_rule import GUARD_PREFIX, GuardConfig, validation_score
 
 #: the replayed rules, in column order
 RULES = ("drop", "stderr")
@@ -107,6 +130,17 @@ def roles(grid: Any, runs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return out | {t: f"{out.get(grid.base_regime(t), '-')} (protocol_of {grid.base_regime(t)})" for t in twins}
 
 
+def planned_freq(grid: Any, key: tuple[str, str, int]) -> int:
+    """The validation interval the grid gives the cell ``(regime, algorithm, seed)`` (:meth:`Grid.test_freq_of`),
+    for a record that lacks its ``trainer.test_freq``; a cell the grid no longer plans: its regime's, else the
+    grid's."""
+    for c in grid.cells:
+        if (c.regime, c.algorithm, c.seed) == key:
+            return grid.test_freq_of(c)
+    entry = grid.regimes.get(key[0])
+    return entry.test_freq if entry is not None and entry.test_freq else grid.test_freq
+
+
 def rule_rows(
     grid: Any, found: Iterable[tuple[Mapping[str, Any], Trace]], runs: Sequence[Mapping[str, Any]]
 ) -> list[RuleRow]:
@@ -129,7 +163,7 @@ def rule_rows(
                 algorithm=key[1],
                 seed=key[2],
                 role=role.get(key[0], "-"),
-                test_freq=str(rec.get("overrides", {}).get("trainer.test_freq", grid.test_freq)),
+                test_freq=str(rec.get("overrides", {}).get(TEST_FREQ_KEY, planned_freq(grid, key))),
                 questions=_questions(rec, trace, pattern),
                 restored=("-" if not guarded else "none" if restore is None else f"step {restore}"),
                 replays=replays,
@@ -224,13 +258,251 @@ def notes(configs: Mapping[str, GuardConfig]) -> str:
     )
 
 
+# --- question 5: the default rule -------------------------------------------------------------
+
+#: the rule the recipes run (presets.yaml grpo_guard), the default unless question 5's rule holds
+DEFAULT_RULE = "drop"
+#: the rule question 5 may make the default
+CANDIDATE_RULE = "stderr"
+#: the control-unit fires the candidate may have ("no control-run fire at all")
+CONTROL_FIRES_ALLOWED = 0
+#: the setting the verdict decides, and where a new default's protocol is stated
+RULE_KEY = f"{GUARD_PREFIX}.rule"
+PROTOCOL_DOC = "docs/guard.md"
+#: where the rule was written
+DEFAULT_RULE_SOURCE = "recipe/sorl/study/natural.yaml, question 5, written 2026-11-28 before any P5 cell ran"
+ADMITTED = "admitted"
+UNITS_TEXT = (
+    f"a unit is one seed of {RULE_UNGUARDED} in a control or admitted regime (a protocol twin in its base's "
+    f"role): the unguarded {RULE_UNGUARDED} run's replay where the rule can be replayed on it, else its guarded "
+    f"twin {RULE_GUARDED}'s, censored at its first restore (no fire by then: not a fire, left out of the mean "
+    "step); a unit with neither is missing, as is one whose run has not been made"
+)
+
+
+def default_rule_text(protocols: Sequence[str], base: str) -> str:
+    """Question 5's DEFAULT RULE in the grid comment's words, from the module's constants: ``protocols`` the
+    candidate's protocol names, ``base`` the grid's own protocol (the incumbent's)."""
+    allowed = ("no control-run fire at all" if CONTROL_FIRES_ALLOWED == 0
+               else f"at most {CONTROL_FIRES_ALLOWED} control-run fires")  # fmt: skip
+    return (
+        f"DEFAULT RULE: {RULE_KEY} becomes {CANDIDATE_RULE} (with its protocol stated in {PROTOCOL_DOC}) only if, "
+        f"under {' or '.join(protocols)}, {CANDIDATE_RULE} fires in at least as many admitted-regime runs as "
+        f"{DEFAULT_RULE} does under {base}, at a mean first-fire step no later, with no more control-run fires "
+        f"than {DEFAULT_RULE} under {base} and {allowed}; otherwise the default stays {DEFAULT_RULE} and the "
+        "table is reported."
+    )
+
+
+@dataclass(frozen=True, order=True)
+class Protocol:
+    """A validation protocol: every ``test_freq`` steps on ``questions`` questions; ``name`` ``P<test_freq>``."""
+
+    test_freq: int
+    questions: int
+    name: str
+
+    def text(self) -> str:
+        return f"validation every {self.test_freq} steps on {self.questions} questions"
+
+
+def protocols(grid: Any) -> dict[str, Protocol]:
+    """regime -> its protocol: the grid's ``test_freq`` / ``val_max_samples`` for a regime without
+    ``protocol_of``, a twin's own (its regime's keys, else the grid's). Named ``P<test_freq>``, with
+    ``q<questions>`` added where two protocols share a ``test_freq``; the key ``""`` is the grid's own."""
+    own = (grid.test_freq, grid.val_max_samples)
+    keys = {r: (e.test_freq or own[0], e.val_max_samples or own[1]) if r in grid.protocol_twins else own
+            for r, e in grid.regimes.items()}  # fmt: skip
+    freqs = Counter(tf for tf, _ in set(keys.values()) | {own})
+    name = {k: f"P{k[0]}" if freqs[k[0]] == 1 else f"P{k[0]}q{k[1]}" for k in set(keys.values()) | {own}}
+    return {"": Protocol(*own, name[own])} | {r: Protocol(*k, name[k]) for r, k in keys.items()}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One seed of a regime under one rule: the replay used (None: missing) and its source (the algorithm
+    replayed, or why the unit is missing)."""
+
+    regime: str
+    seed: int
+    control: bool
+    replay: Replay | None
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.regime}/{RULE_UNGUARDED}/seed{self.seed}"
+
+
+def _unit(regime: str, seed: int, role: str, rule: str, rows: Mapping, planned: set) -> Unit:
+    """The unit's replay under ``rule`` (:data:`UNITS_TEXT`); ``rows`` (regime, algorithm, seed) -> RuleRow,
+    ``planned`` the grid's cells as such keys."""
+    control = role == CONTROL
+    if role != ADMITTED and not control:
+        return Unit(regime, seed, control, None, f"admission {role}")
+    why = []
+    for alg in (RULE_UNGUARDED, RULE_GUARDED):
+        row = rows.get((regime, alg, seed))
+        if row is None:
+            if alg == RULE_UNGUARDED and (regime, alg, seed) in planned:  # its own run is still to come
+                return Unit(regime, seed, control, None, "not run")
+            why.append(f"no {alg} run")
+        elif row.replays[rule].cannot is None:
+            return Unit(regime, seed, control, row.replays[rule], alg)
+        else:
+            why.append(f"{alg}: {row.replays[rule].cannot}")
+    return Unit(regime, seed, control, None, "; ".join(why))
+
+
+@dataclass(frozen=True)
+class Tally:
+    """One rule under one protocol, over its units."""
+
+    rule: str
+    protocol: Protocol
+    units: tuple[Unit, ...]
+
+    def present(self, control: bool) -> list[Unit]:
+        return [u for u in self.units if u.control == control and u.replay is not None]
+
+    def steps(self, control: bool) -> list[int]:
+        return [u.replay.step for u in self.present(control) if u.replay is not None and u.replay.step is not None]
+
+    def missing(self, control: bool | None = None) -> list[str]:
+        return [f"{u.name} ({u.source})" for u in self.units
+                if u.replay is None and (control is None or u.control == control)]  # fmt: skip
+
+    def mean_step(self) -> float | None:
+        steps = self.steps(False)
+        return statistics.mean(steps) if steps else None
+
+    def text(self, control: bool) -> str:
+        """``k of n`` fired (admitted: with the mean first-fire step), censored units counted apart."""
+        present, steps = self.present(control), self.steps(control)
+        text = f"{len(steps)} of {len(present)}"
+        if not control and steps:
+            text += f" (mean step {statistics.mean(steps):.1f})"
+        censored = sum(u.replay is not None and u.replay.censored_at is not None for u in present)
+        return text + (f", {censored} censored" if censored else "")
+
+    def sources(self) -> str:
+        used = Counter(u.source for u in self.units if u.replay is not None)
+        return ", ".join(f"{alg} {n}" for alg, n in sorted(used.items())) or "-"
+
+
+def tallies(grid: Any, rows: Sequence[RuleRow], role: Mapping[str, str]) -> dict[tuple[str, Protocol], Tally]:
+    """(rule, protocol) -> :class:`Tally`, for every rule of :data:`RULES` and every protocol with a unit:
+    the seeds of :data:`RULE_UNGUARDED` and :data:`RULE_GUARDED` the grid plans or the archive has, in the
+    regimes whose (base's) role is control, admitted or undecided (an undecided regime's units are missing)."""
+    proto = protocols(grid)
+    by_key = {(r.regime, r.algorithm, r.seed): r for r in rows}
+    planned = {(c.regime, c.algorithm, c.seed) for c in grid.cells}
+    units: dict[tuple[str, Protocol], list[Unit]] = {}
+    for regime in sorted(set(grid.regimes) | {r.regime for r in rows}):
+        base_role = role.get(grid.base_regime(regime), "-")
+        if base_role not in (CONTROL, ADMITTED, UNDECIDED):
+            continue
+        pair = (RULE_UNGUARDED, RULE_GUARDED)
+        seeds = sorted({s for g, a, s in planned | set(by_key) if g == regime and a in pair})
+        for rule in RULES:
+            key = (rule, proto.get(regime, proto[""]))
+            units.setdefault(key, []).extend(_unit(regime, s, base_role, rule, by_key, planned) for s in seeds)
+    return {k: Tally(k[0], k[1], tuple(v)) for k, v in sorted(units.items(), key=lambda kv: (kv[0][1], kv[0][0]))}
+
+
+def protocol_part(c: Tally, b: Tally) -> Part:
+    """The rule under one protocol: candidate ``c`` (:data:`CANDIDATE_RULE` under it) against ``b``
+    (:data:`DEFAULT_RULE` under the grid's own protocol). Fails as soon as the evidence in hand decides it (a
+    control-unit fire beyond :data:`CONTROL_FIRES_ALLOWED`; too few admitted-unit fires even if every missing
+    admitted unit fired); else undecided while a unit of either is missing; else holds or fails. With no
+    admitted-unit fire on either side the mean-step condition has nothing to compare and is not failed."""
+    fired, base_fired = c.steps(False), b.steps(False)
+    control, base_control = len(c.steps(True)), len(b.steps(True))
+    evidence = (
+        f"{c.rule}: admitted-regime units {c.text(False)}, control units {c.text(True)}; "
+        f"{b.rule} under {b.protocol.name}: admitted-regime units {b.text(False)}, control units {b.text(True)}"
+    )
+    missing = "; missing " + ", ".join(b.missing() + c.missing())
+    if control > CONTROL_FIRES_ALLOWED:
+        return Part(c.protocol.name, FAILS, evidence + " (a control-unit fire)")
+    if b.missing():
+        return Part(c.protocol.name, UNDECIDED, evidence + missing)
+    if c.missing(False) and len(fired) + len(c.missing(False)) < len(base_fired):
+        return Part(c.protocol.name, FAILS, evidence + " (fewer admitted-unit fires, whatever the missing units give)")
+    if c.missing():
+        return Part(c.protocol.name, UNDECIDED, evidence + missing)
+    why = []
+    if len(fired) < len(base_fired):
+        why.append("fewer admitted-unit fires")
+    if fired and base_fired and statistics.mean(fired) > statistics.mean(base_fired):
+        why.append("a later mean first-fire step")
+    if control > base_control:
+        why.append("more control-unit fires")
+    return Part(c.protocol.name, FAILS if why else HOLDS, evidence + (f" ({', '.join(why)})" if why else ""))
+
+
+def default_decision(parts: Sequence[Part]) -> str:
+    """:data:`CANDIDATE_RULE` where the rule holds under some protocol; :data:`DEFAULT_RULE` when it fails
+    under every one; else :data:`DEFAULT_RULE` for now, undecided."""
+    held = [p.name for p in parts if p.status == HOLDS]
+    open_ = [p.name for p in parts if p.status == UNDECIDED]
+    if held:
+        later = f"; units of {', '.join(open_)} still missing cannot change this" if open_ else ""
+        return (f"{RULE_KEY} becomes {CANDIDATE_RULE} (the rule holds under {' and '.join(held)}, the protocol "
+                f"{PROTOCOL_DOC} states{later})")  # fmt: skip
+    if all(p.status == FAILS for p in parts):
+        return f"{RULE_KEY} stays {DEFAULT_RULE} (the rule fails under every protocol)"
+    return f"{RULE_KEY} stays {DEFAULT_RULE} for now (undecided: units missing under {' and '.join(open_)})"
+
+
+def tally_table(ts: Mapping[tuple[str, Protocol], Tally]) -> str:
+    """Markdown: per rule and protocol, admitted-regime and control units fired, the replays used, the
+    missing units."""
+    lines = [
+        "| rule | protocol | admitted-regime units fired (mean first-fire step) | control units fired "
+        "| replays used | missing units |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (rule, p), t in ts.items():
+        lines.append(f"| {rule} | {p.name} | {t.text(False)} | {t.text(True)} | {t.sources()} "
+                     f"| {', '.join(t.missing()) or '-'} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def default_rule_verdict(grid: Any, rows: Sequence[RuleRow], role: Mapping[str, str]) -> str:
+    """Markdown: question 5's rule (:func:`default_rule_text`), the protocols, the per (rule, protocol)
+    table, the rule under each protocol (:func:`protocol_part`) and the decision."""
+    ts = tallies(grid, rows, role)
+    proto = protocols(grid)
+    base = proto[""]
+    candidates = sorted({p for r, p in ts if r == CANDIDATE_RULE})
+    parts = [protocol_part(ts[(CANDIDATE_RULE, p)], ts[(DEFAULT_RULE, base)]) for p in candidates]
+    where = {p: sorted({u.regime for (_, q), t in ts.items() if q == p for u in t.units}) for p in candidates}
+    lines = [
+        f"### Question 5: the default rule (rule: {DEFAULT_RULE_SOURCE})",
+        "",
+        default_rule_text([p.name for p in candidates], base.name),
+        "",
+        "Protocols: "
+        + "; ".join(f"{p.name} = {p.text()} ({', '.join(where[p])})" for p in candidates)
+        + f". Units: {UNITS_TEXT}.",
+        "",
+        tally_table(ts),
+        *[f"- ({p.name}) **{p.status}**: {p.detail}" for p in parts],
+        "",
+        f"Decision: **{default_decision(parts)}**.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def rule_report(grid: Any, found: Iterable[tuple[Mapping[str, Any], Trace]], runs: Sequence[Mapping[str, Any]]) -> str:
     """The whole ``<name>_rules.md``."""
     configs = rule_configs(grid.algorithms)
     rows = rule_rows(grid, found, runs)
     return (
         "## The guard's rules replayed: first fire per run\n\n"
-        f"{runs_table(rows, configs)}\n{summary_table(rows, configs)}\n{consistency(rows)}\n\n{notes(configs)}\n"
+        f"{runs_table(rows, configs)}\n{summary_table(rows, configs)}\n{consistency(rows)}\n\n{notes(configs)}\n\n"
+        f"{default_rule_verdict(grid, rows, roles(grid, runs))}"
     )
 
 
