@@ -56,13 +56,16 @@ GUARD_CKPT_TO_KEEP = 3
 
 def guard_overrides(s: Mapping[str, str]) -> list[str]:
     """``GUARD=1``: the collapse guard (docs/guard.md) with the settings of the learning study's guarded
-    cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence, and the backoff target of
-    :func:`guard_backoff_target`; written out in full so the command shows them and later changes of
-    the config's defaults cannot change a recipe run. Then verl's checkpoint rotation bounded to
+    cells (``recipe/sorl/study/learning.yaml``), the only ones with evidence at the recipes' protocol, and
+    the backoff target of :func:`guard_backoff_target`; written out in full so the command shows them and
+    later changes of the config's defaults cannot change a recipe run (the rule ``drop``: the guard's
+    default became ``stderr``, whose evidence is for 300 questions every 10 steps; on thousands of
+    validation questions 2 standard errors are a small fall). Then verl's checkpoint rotation bounded to
     :data:`GUARD_CKPT_TO_KEEP` (every new best and every restore is a checkpoint; without a bound verl
     keeps them all); those two keys are not part of the run's identity."""
     return [
         "sorl.guard.enable=true",
+        "sorl.guard.rule=drop",
         "sorl.guard.drop=0.3",
         "sorl.guard.patience=1",
         "sorl.guard.backoff=0.5",

@@ -358,13 +358,21 @@ def run_cell(
 # --- the grid -------------------------------------------------------------------------------
 
 
+#: override keys a grid's cell may set that a finished run's record may lack, with the value such a run
+#: ran: the default when it ran. ``sorl.guard.rule``: ``drop`` until natural.yaml's question 5 made the
+#: guard's default ``stderr`` (presets.yaml's guarded arms then wrote ``drop`` out)
+RAN_DEFAULTS: dict[str, Any] = {"sorl.guard.rule": "drop"}
+
+
 def changed_keys(record: dict[str, Any], cell: Cell) -> list[str]:
     """Override keys whose value in the recorded run differs from the grid's cell now (``task`` / ``warmstart``
-    when those do; a record without one ran the default)."""
+    when those do; a record without one ran the default). A key of :data:`RAN_DEFAULTS` that the cell sets
+    and the record lacks ran that default (a cell that does not set it is compared as before)."""
     ran = record.get("overrides")
     if not isinstance(ran, dict):
         return []
     now = dict(cell.overrides)
+    ran = {**{k: v for k, v in RAN_DEFAULTS.items() if k in now}, **ran}
     keys = sorted(k for k in set(ran) | set(now) if ran.get(k) != now.get(k))
     grid_level = [("task", DEFAULT_TASK, cell.task), ("warmstart", DEFAULT_WARMSTART, cell.warmstart)]
     return [name for name, default, value in grid_level if record.get(name, default) != value] + keys

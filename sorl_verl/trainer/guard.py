@@ -61,6 +61,7 @@ from sorl_verl.trainer.guard_rule import (
     FaultInjection,
     GuardConfig,
     GuardState,
+    can_have_records,
     guard_metrics,
     guard_settings,
     observe_step,
@@ -120,6 +121,13 @@ def check_guard_against_trainer(config: DictConfig, guard: GuardConfig) -> None:
                     f"sorl.guard.enable=true restores weights, optimizer and scheduler/RNG from a checkpoint, but "
                     f"{name}.checkpoint.{key}={list(contents)} lacks {missing}; set it to {list(RESTORED_CONTENTS)}"
                 )
+    if guard.rule == "stderr" and not can_have_records(guard.val_metric):
+        raise ValueError(
+            f"sorl.guard.rule=stderr reads the validation questions and their variance the SORL trainers log per "
+            f"source and variable (val-aux/<source>/<var>/questions), but sorl.guard.val_metric="
+            f"{guard.val_metric!r} is no validation metric val-core/<source>/<var>/<stat>; use such a val_metric "
+            f"(default {GuardConfig.val_metric}) or sorl.guard.rule=drop"
+        )
     nnodes = int(config.trainer.get("nnodes", 1) or 1)
     if nnodes > 1 and not guard.shared_storage:
         raise ValueError(

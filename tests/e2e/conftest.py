@@ -318,7 +318,7 @@ def guarded_so_ppo(tmp_path_factory, main_ppo) -> GuardedRun:
     """One SO-PPO run with a critic and the KL loss (sync trainer, small sizes, 24 greedy validation
     questions every 2 steps, verl's own checkpoint every 4 steps) at the CPU platform's lr 1e-4 with
     ``sorl.fault_injection`` raising the actor's learning rate 10^3-fold (to 0.1) on steps 3 and 4, the
-    collapse guard on (drop 0.3, patience 1, backoff 0.5, one restore); SIGKILLed after step 5, then
+    collapse guard on (rule drop 0.3, patience 1, backoff 0.5, one restore); SIGKILLed after step 5, then
     resumed by verl to step 6.
 
     Shared by three tests that read the same records, each of which launched main_ppo itself before:
@@ -335,6 +335,7 @@ def guarded_so_ppo(tmp_path_factory, main_ppo) -> GuardedRun:
         "trainer.test_freq=2",
         "trainer.save_freq=4",
         "sorl.guard.enable=true",
+        "sorl.guard.rule=drop",  # the rule the test was written for (the guard's default is stderr)
         "sorl.guard.drop=0.3",
         "sorl.guard.patience=1",
         f"sorl.guard.backoff={backoff}",

@@ -310,7 +310,7 @@ def test_cpu_platform_command_passes_verl_s_checks(algo, tmp_path):
 
     guard, _ = guard_settings(OmegaConf.to_container(cfg.sorl, resolve=True))
     check_guard_against_trainer(cfg, guard)
-    assert guard.enable and guard.patience == 1 and cfg.trainer.test_freq == 50
+    assert guard.enable and guard.rule == "drop" and guard.patience == 1 and cfg.trainer.test_freq == 50
 
 
 def test_cpu_platform_has_no_gpu_plan_and_leaves_sizes_to_the_overlay():

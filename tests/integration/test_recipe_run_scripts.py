@@ -25,7 +25,9 @@ RECIPE = REPO / "recipe" / "sorl"
 SCRIPTS = sorted(p.name for p in RECIPE.glob("run_*.sh"))
 ALGOS = ("so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo")
 #: the collapse guard as GUARD=1 configures it (the learning study's settings; GUARD=0 is the default)
-STUDY_GUARD = GuardConfig(enable=True, drop=0.3, patience=1, backoff=0.5, backoff_target="lr", max_restores=3)
+STUDY_GUARD = GuardConfig(
+    enable=True, rule="drop", drop=0.3, patience=1, backoff=0.5, backoff_target="lr", max_restores=3
+)
 #: ALGO -> (algorithm.adv_estimator, policy_loss.loss_mode, critic on)
 ALGO_TABLE = {
     "so_grpo": ("so_grpo", "so_grpo", False),

@@ -148,8 +148,8 @@ def test_identity_ignores_bookkeeping_keys_only():
 # --- GUARD: the collapse guard -------------------------------------------------------------------
 
 #: the learning study's guard settings (docs/notes/2026-11-27-guard-in-recipes.md), spelled out here
-STUDY_GUARD = ["sorl.guard.enable=true", "sorl.guard.drop=0.3", "sorl.guard.patience=1", "sorl.guard.backoff=0.5",
-               "sorl.guard.backoff_target=lr", "sorl.guard.max_restores=3"]  # fmt: skip
+STUDY_GUARD = ["sorl.guard.enable=true", "sorl.guard.rule=drop", "sorl.guard.drop=0.3", "sorl.guard.patience=1",
+               "sorl.guard.backoff=0.5", "sorl.guard.backoff_target=lr", "sorl.guard.max_restores=3"]  # fmt: skip
 #: GUARD=1 bounds verl's checkpoint rotation (docs/guard.md, "What the guard adds": at most 4 checkpoints
 #: on disk); the keys name no experiment, so they stay out of the run directory's hash
 GUARD_ROTATION = ["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=3"]

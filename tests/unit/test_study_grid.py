@@ -121,6 +121,7 @@ def test_smoke_grid_is_one_short_cell():
 #: the collapse guard's settings of the learning study's guard algorithms, fixed before any run
 GUARD = {
     "sorl.guard.enable": "true",
+    "sorl.guard.rule": "drop",  # written out since the guard's default became stderr
     "sorl.guard.drop": "0.3",
     "sorl.guard.patience": "1",
     "sorl.guard.backoff": "0.5",
@@ -154,7 +155,7 @@ def test_learning_grid_guard_cells_are_the_algorithms_plus_the_guard():
                             OmegaConf.from_dotlist(sorl_overrides))
         )["sorl"]  # fmt: skip
         config, fault = guard_settings(sorl)
-        assert (config.enable, config.drop, config.patience, config.backoff) == (True, 0.3, 1, 0.5)
+        assert (config.enable, config.rule, config.drop, config.patience, config.backoff) == (True, "drop", 0.3, 1, 0.5)
         assert (config.backoff_target, config.max_restores, config.warning_metric) == ("lr", 3, None)
         assert (fault.lr_factor, fault.from_step) == (2.0, 21)
         trainer = OmegaConf.create({

@@ -21,7 +21,7 @@ from sorl_verl.study.rule_table import fires_text, roles, write_rule_table
 from sorl_verl.study.runner import write_record
 from sorl_verl.trainer.guard_rule import GuardConfig
 
-DROP = GuardConfig(enable=True, drop=0.3, patience=1)
+DROP = GuardConfig(enable=True, rule="drop", drop=0.3, patience=1)
 STDERR = replace(DROP, rule="stderr")
 
 

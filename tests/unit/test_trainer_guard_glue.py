@@ -224,7 +224,8 @@ def make(tmp_path, mode="sync", resume_step=0, **guard):
                     "resume_step": resume_step},
         "data": {"train_batch_size": 2},
         "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "so_grpo", "clip_norm_tau": 0.2}}},
-        "sorl": {"guard": {"enable": True, "drop": 0.5, "patience": 1, "backoff": 0.5, "max_restores": 1, **guard}},
+        "sorl": {"guard": {"enable": True, "rule": "drop", "drop": 0.5, "patience": 1, "backoff": 0.5,
+                           "max_restores": 1, **guard}},
     })  # fmt: skip
     trainer = cls(config)
     trainer._load_checkpoint()
@@ -492,3 +493,80 @@ def test_validation_records_are_logged_with_the_guard_off_and_leave_verls_metric
     off_trainer._compute_metrics(None, step, {}, global_steps=1, epoch=0)
     assert step == off and off_trainer.guard_state == GuardState()
     assert not (tmp_path / "off" / "ckpt").exists()
+
+
+# ---------------------------------------------------------------- the default rule: stderr (natural.yaml question 5)
+
+
+def make_default(tmp_path, **guard):
+    """A guarded stand-in with the guard's defaults but for patience 1 (rule ``stderr``, k 2)."""
+    cls = type("Guarded", (CollapseGuard, FakeTrainer), {"base_trainer_mode": "sync"})
+    config = OmegaConf.create({
+        "trainer": {"test_freq": 1, "default_local_dir": str(tmp_path / "ckpt"), "resume_mode": "auto"},
+        "data": {"train_batch_size": 2},
+        "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "so_grpo", "clip_norm_tau": 0.2}}},
+        "sorl": {"guard": {"enable": True, "patience": 1, **guard}},
+    })  # fmt: skip
+    trainer = cls(config)
+    trainer._load_checkpoint()
+    assert trainer.guard_config.rule == "stderr"
+    return trainer
+
+
+def validate(trainer, sources, right, **extra_vars):
+    """One training step whose validation is verl's own metrics (plus the records) of 0/1 ``right`` per
+    question (one sample each) under ``sources``; ``extra_vars``: more reward variables."""
+    trainer.global_steps += 1
+    trainer.on_step_begin()
+    trainer.weights = trainer.weights + 1.0
+    uids = [f"q{i}" for i in range(len(right))]
+    infos = {"reward": [float(r) for r in right], **extra_vars}
+    metrics = trainer._val_metrics_update(sources, uids, infos, [1] * len(right))
+    trainer._compute_metrics(None, metrics, {}, global_steps=trainer.global_steps, epoch=0)
+    return metrics
+
+
+def test_stderr_default_restores_on_a_fall_beyond_two_standard_errors_and_not_on_noise(tmp_path):
+    trainer = make_default(tmp_path)
+    sources = ["nq"] * 100
+    validate(trainer, sources, [1] * 30 + [0] * 70)  # 0.30 on 100 questions: the best
+    assert trainer.guard_state.best_se == pytest.approx((0.3 * 0.7 / 100) ** 0.5)
+    noise = validate(trainer, sources, [1] * 22 + [0] * 78)  # 0.22: 2 SE of the difference is 0.123
+    assert noise["sorl/guard/collapse"] == 0 and noise["sorl/guard/low_validations"] == 0
+    fall = validate(trainer, sources, [1] * 10 + [0] * 90)  # 0.10: 0.20 below, 2 SE = 0.110
+    assert fall["sorl/guard/collapse"] == 1 and fall["sorl/guard/restores"] == 1
+
+
+def test_stderr_default_reads_the_acc_records_of_a_custom_val_metric(tmp_path):
+    """natural.yaml's demo_partial_f1: the reward returns acc, so verl's core metric is acc (the reward
+    goes to val-aux) and the guard's val_metric is val-core/*/acc/mean@*; the records are per reward
+    variable, so acc has its own."""
+    trainer = make_default(tmp_path, val_metric="val-core/*/acc/mean@*")
+    sources = ["nq"] * 50 + ["hotpot"] * 50
+    right = [1] * 20 + [0] * 30 + [1] * 10 + [0] * 40
+    partial = [r or 0.5 for r in right]  # the shaped reward: partial credit for a wrong answer
+    metrics = validate(trainer, sources, partial, acc=[bool(r) for r in right])
+    assert metrics["val-core/nq/acc/mean@1"] == 0.4 and "val-core/nq/reward/mean@1" not in metrics
+    assert metrics["val-aux/nq/acc/questions"] == 50
+    assert metrics["val-aux/hotpot/acc/question_var"] == pytest.approx(0.16)
+    assert trainer.guard_state.best_score == pytest.approx(0.3)
+    assert trainer.guard_state.best_se == pytest.approx((0.24 / 50 + 0.16 / 50) ** 0.5 / 2)
+    low = validate(trainer, sources, [0.5] * 100, acc=[False] * 100)  # acc 0: the shaped reward kept 0.5
+    assert low["sorl/guard/collapse"] == 1
+
+
+def test_stderr_default_finds_the_records_of_a_data_source_with_a_slash(tmp_path):
+    trainer = make_default(tmp_path)
+    metrics = validate(trainer, ["openai/gsm8k"] * 40, [1] * 20 + [0] * 20)  # verl's gsm8k example's source
+    assert metrics["val-core/openai/gsm8k/reward/mean@1"] == 0.5
+    assert trainer.guard_state.best_se == pytest.approx((0.25 / 40) ** 0.5)
+
+
+def test_stderr_default_without_question_records_stops_naming_the_fix(tmp_path):
+    """A validation metric the SORL trainers logged no records for (a stand-in that bypasses
+    ``_val_metrics_update``) stops the run at the guard's first validation, naming rule drop."""
+    trainer = make_default(tmp_path)
+    with pytest.raises(ValueError, match=r"sorl\.guard\.rule=stderr needs .*val-aux/src/reward/questions.*"
+                                         r"use sorl\.guard\.rule=drop"):  # fmt: skip
+        train_step(trainer, score=0.5)
+    assert train_step(make(tmp_path / "drop"), score=0.5)["sorl/guard/best_step"] == 1  # drop needs none

@@ -30,6 +30,7 @@ scores = st.one_of(st.floats(0.0, 1.0), st.just(math.nan))
 rule_configs = st.builds(
     GuardConfig,
     enable=st.just(True),
+    rule=st.just("drop"),  # the formula below is drop's; stderr's has its own tests
     drop=st.floats(0.01, 0.99),
     patience=st.integers(1, 4),
     backoff=st.floats(0.05, 1.0),
@@ -95,7 +96,7 @@ def test_scores_that_never_drop_below_the_line_never_collapse(config, stream):
 
 @given(best=st.floats(0.1, 1.0), drop=st.floats(0.05, 0.95), patience=st.integers(1, 5))
 def test_collapse_is_declared_at_the_patience_th_low_validation(best, drop, patience):
-    config = GuardConfig(enable=True, drop=drop, patience=patience)
+    config = GuardConfig(enable=True, rule="drop", drop=drop, patience=patience)
     low = (1.0 - drop) * best * 0.5
     actions, state = run_validations(config, [best] + [low] * patience)
     assert actions == [Action.NEW_BEST] + [Action.NONE] * (patience - 1) + [Action.RESTORE]
@@ -107,12 +108,12 @@ def test_collapse_is_declared_at_the_patience_th_low_validation(best, drop, pati
 
 
 def test_max_restores_then_stop_and_backoff_compounds():
-    config = GuardConfig(enable=True, drop=0.5, patience=1, backoff=0.1, max_restores=2)
+    config = GuardConfig(enable=True, rule="drop", drop=0.5, patience=1, backoff=0.1, max_restores=2)
     actions, state = run_validations(config, [0.8, 0.1, 0.1, 0.1, 0.1])
     assert actions == [Action.NEW_BEST, Action.RESTORE, Action.RESTORE, Action.STOP]
     assert state.restores == 2 and state.lr_scale == pytest.approx(0.01)
     assert state.last_reason.startswith("validation:")
-    tau = GuardConfig(enable=True, drop=0.5, patience=1, backoff=0.1, backoff_target="clip_norm_tau")
+    tau = GuardConfig(enable=True, rule="drop", drop=0.5, patience=1, backoff=0.1, backoff_target="clip_norm_tau")
     _, state = run_validations(tau, [0.8, 0.1])
     assert (state.lr_scale, state.tau_scale) == (1.0, pytest.approx(0.1))
 
@@ -231,7 +232,9 @@ def test_fault_window(lr_factor, start, length):
 
 
 def test_state_round_trips_through_json_and_metrics():
-    config = GuardConfig(enable=True, drop=0.5, patience=1, warning_metric="actor/ppo_kl", warning_threshold=1.0)
+    config = GuardConfig(
+        enable=True, rule="drop", drop=0.5, patience=1, warning_metric="actor/ppo_kl", warning_threshold=1.0
+    )
     _, state = run_validations(config, [0.6, 0.1])
     again = GuardState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert again == state
@@ -252,7 +255,7 @@ def test_state_round_trips_through_json_and_metrics():
     (0.0, 0.0, False),
 ])  # fmt: skip
 def test_line_works_for_any_sign_of_the_best(best, score, collapsed):
-    config = GuardConfig(enable=True, drop=0.3, patience=1)
+    config = GuardConfig(enable=True, rule="drop", drop=0.3, patience=1)
     actions, _ = run_validations(config, [best, score])
     assert actions[1] == (Action.RESTORE if collapsed else Action.NONE)
 
@@ -261,11 +264,11 @@ def test_line_works_for_any_sign_of_the_best(best, score, collapsed):
 def test_positive_bests_keep_the_studys_line_bit_for_bit(best, drop):
     from sorl_verl.trainer.guard_rule import collapse_line
 
-    assert collapse_line(GuardConfig(enable=True, drop=drop), best) == (1.0 - drop) * best
+    assert collapse_line(GuardConfig(enable=True, rule="drop", drop=drop), best) == (1.0 - drop) * best
 
 
 def test_min_drop_floors_the_margin():
-    config = GuardConfig(enable=True, drop=0.3, patience=1, min_drop=0.05)
+    config = GuardConfig(enable=True, rule="drop", drop=0.3, patience=1, min_drop=0.05)
     assert run_validations(config, [0.0, -0.04])[0][1] == Action.NONE
     assert run_validations(config, [0.0, -0.06])[0][1] == Action.RESTORE
     # a small positive best: 0.3 * 0.1 = 0.03 < 0.05, the floor sets the line at 0.05 below

@@ -131,13 +131,14 @@ def trainer_config(**over):
     return config
 
 
-def test_start_up_checks_name_the_knob():
-    on = GuardConfig(enable=True)
+@pytest.mark.parametrize("rule", ["stderr", "drop"])  # the default (natural.yaml question 5) and the studies'
+def test_start_up_checks_name_the_knob(rule):
+    on = GuardConfig(enable=True, rule=rule)
     check_guard_against_trainer(trainer_config(), on)
     check_guard_against_trainer(trainer_config(**{"trainer.test_freq": -1}), GuardConfig())  # off: no check
     with pytest.raises(ValueError, match=r"trainer\.test_freq=-1"):
         check_guard_against_trainer(trainer_config(**{"trainer.test_freq": -1}), on)
-    tau = GuardConfig(enable=True, backoff_target="clip_norm_tau")
+    tau = GuardConfig(enable=True, rule=rule, backoff_target="clip_norm_tau")
     check_guard_against_trainer(trainer_config(), tau)
     for key, value in (("loss_mode", "vanilla"), ("clip_norm_mode", "none")):
         bad = trainer_config(**{f"actor_rollout_ref.actor.policy_loss.{key}": value})
@@ -168,9 +169,29 @@ def test_unit_scale_leaves_the_schedule_bit_for_bit():
 )
 def test_start_up_refuses_what_a_restore_cannot_use(key, value, named):
     config = trainer_config(**{"critic.enable": True, key: value})
-    with pytest.raises(ValueError, match=named):
-        check_guard_against_trainer(config, GuardConfig(enable=True))
+    for rule in ("stderr", "drop"):
+        with pytest.raises(ValueError, match=named):
+            check_guard_against_trainer(config, GuardConfig(enable=True, rule=rule))
     check_guard_against_trainer(config, GuardConfig())  # off: no check
+
+
+@pytest.mark.parametrize(
+    "val_metric",
+    ["val-core/*/reward/mean@*", "val-core/*/acc/mean@*", "val-core/nq/acc/mean@1", "val-aux/openai/gsm8k/reward/mean@1",
+     "val-core/*", "val-*/nq/reward/mean@4"],
+)  # fmt: skip
+def test_stderr_takes_a_val_metric_that_can_name_a_source_and_variable(val_metric):
+    check_guard_against_trainer(trainer_config(), GuardConfig(enable=True, val_metric=val_metric))
+
+
+@pytest.mark.parametrize("val_metric", ["val-core/nq/reward", "actor/entropy", "val-aux/num_turns/mean", "score"])
+def test_stderr_refuses_at_start_up_a_val_metric_without_question_records(val_metric):
+    """An exact name that is no val-core/<source>/<var>/<stat> can never have the trainers' records: refused
+    before any worker starts, naming rule drop; drop takes it (its score is any metric's mean)."""
+    named = rf"sorl\.guard\.rule=stderr .*val_metric='{val_metric}'.*sorl\.guard\.rule=drop"
+    with pytest.raises(ValueError, match=named):
+        check_guard_against_trainer(trainer_config(), GuardConfig(enable=True, val_metric=val_metric))
+    check_guard_against_trainer(trainer_config(), GuardConfig(enable=True, val_metric=val_metric, rule="drop"))
 
 
 def test_several_nodes_with_storage_declared_shared_start():
