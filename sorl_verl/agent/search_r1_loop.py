@@ -7,7 +7,8 @@ settings) with the failure-rate guard, a preflight search before the first episo
 process (:mod:`sorl_verl.agent.retrieval_guard`), the row's messages (``instruction_template``)
 and verl's ``AgentLoopOutput``.
 
-So the policy's turns are exactly the maximal runs of response_mask == 1 (SORL-SPEC.md), and
+So the policy's turns are exactly the maximal runs of response_mask == 1 (SORL-SPEC.md; with
+``mask_observations=false`` the mask is 1 throughout and the rollout log-probs are dropped), and
 response_ids / response_mask / response_logprobs always have the same length (capped at
 ``rollout.response_length``).
 """
@@ -25,7 +26,7 @@ from verl.utils.profiler import simple_timer
 from sorl_verl.agent.episode import TRUNCATION_MARK, Episode, EpisodeFormat, EpisodeLimits, run_episode
 from sorl_verl.agent.prompts import STOP_SEQUENCES, InstructionTemplate, load_instruction_template
 from sorl_verl.agent.retrieval_guard import RetrievalGuard, shared_guard
-from sorl_verl.agent.settings import SearchAgentSettings, trainer_section
+from sorl_verl.agent.settings import SearchAgentSettings, check_observation_masking, trainer_section
 
 __all__ = ["TRUNCATION_MARK", "SearchR1AgentLoop", "shared_client"]
 #: kwargs verl passes that this loop drops (the YAML entry's name, the tool list)
@@ -73,6 +74,7 @@ class SearchR1AgentLoop(AgentLoopBase):
             kwargs.pop(name, None)
         super().__init__(*args, **kwargs)
         self.settings = SearchAgentSettings.resolve(knobs, trainer_section(self.config))
+        check_observation_masking(self.settings.mask_observations, self.config)
         self.response_length: int = self.rollout_config.response_length
         self.searcher = searcher
         self.limits = EpisodeLimits(
@@ -172,6 +174,8 @@ class SearchR1AgentLoop(AgentLoopBase):
 
         episode = await run_episode(Episode(self.format, prompt_ids), generate, search)
         response_ids, response_mask, response_logprobs = episode.capped()
+        if not self.settings.mask_observations:
+            response_mask, response_logprobs = [1] * len(response_ids), None
         extra.update({**episode.counters(), "turn_scores": [], "tool_rewards": []})
         metrics.setdefault("num_preempted", -1)
         return AgentLoopOutput(

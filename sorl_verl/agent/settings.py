@@ -57,7 +57,13 @@ class SearchAgentSettings:
     (``auto``: vllm, sglang, hf; generation is always also cut at the first stop tag on our side).
     ``retrieval_preflight``: one real search when a worker process runs its first episode; a failure
     stops the run naming the URL. ``search_failure_window`` / ``max_search_failure_rate``: the run
-    stops when more than that fraction of the last ``window`` searches of a worker process failed."""
+    stops when more than that fraction of the last ``window`` searches of a worker process failed.
+    ``mask_observations``: the environment's tokens (observations, feedback) get ``response_mask`` 0,
+    so the loss sees only the policy's turns (Search-R1's ``state_masking``, on by default); false
+    puts them in the loss too (``response_mask`` 1 throughout, so SORL sees one turn per episode) and
+    reports no rollout log-probs, since no engine computed any for those tokens: verl then recomputes
+    the old log-probs, and rollout correction (``bypass_mode``, ``rollout_is``, ``rollout_rs``) is
+    refused (:func:`check_observation_masking`)."""
 
     retrieval_url: str = DEFAULT_RETRIEVAL_URL
     preset: str = "default"
@@ -75,6 +81,7 @@ class SearchAgentSettings:
     retrieval_preflight: bool = True
     search_failure_window: int = 50
     max_search_failure_rate: float = 0.5
+    mask_observations: bool = True
 
     def __post_init__(self) -> None:
         checks = {
@@ -130,6 +137,27 @@ class SearchAgentSettings:
             default = getattr(cls, name)
             values[name] = _as_bool(name, value) if isinstance(default, bool) else type(default)(value)
         return cls(**values)
+
+
+#: ``algorithm.rollout_correction`` keys that need the rollout engine's log-probs of every trained token
+ROLLOUT_LOGPROB_KEYS = ("bypass_mode", "rollout_is", "rollout_rs")
+
+
+def check_observation_masking(mask_observations: bool, config: Any) -> None:
+    """Refuse ``mask_observations=false`` where the trainer would need rollout log-probs: the
+    observation tokens then in the loss were not generated, so no engine has their log-probs."""
+    if mask_observations:
+        return
+    algorithm = config.get("algorithm", None) if config is not None else None
+    correction = algorithm.get("rollout_correction", None) if algorithm is not None else None
+    used = [key for key in ROLLOUT_LOGPROB_KEYS if correction is not None and correction.get(key, None)]
+    if used:
+        settings = ", ".join(f"algorithm.rollout_correction.{key}={correction.get(key)}" for key in used)
+        raise ValueError(
+            f"sorl.agent.mask_observations=false trains on observation tokens that no rollout engine "
+            f"generated, so they have no rollout log-probs, but {settings} needs them. "
+            "Turn rollout correction off or keep mask_observations=true."
+        )
 
 
 def trainer_section(config: Any) -> dict[str, Any] | None:

@@ -81,6 +81,17 @@ def check_update_step(config: DictConfig) -> None:
     check_step_scaling(actor, normalizes=loss_mode in NORMALIZING_LOSSES)
 
 
+def check_agent_settings(config: DictConfig) -> None:
+    """Fail at start-up, before any worker is built, on ``search_r1`` settings that are invalid or
+    that the trainer cannot serve (:func:`~sorl_verl.agent.settings.check_observation_masking`); the
+    loop checks again on the workers, for runs that use it through verl's own trainer."""
+    from sorl_verl.agent.settings import check_observation_masking, search_agent_settings
+
+    settings = search_agent_settings(config)
+    if settings is not None:
+        check_observation_masking(settings.mask_observations, config)
+
+
 def fetch_padded_values(keys: list[str], partition_id: str) -> torch.Tensor | None:
     """Critic values for ``keys`` from TransferQueue as ``(len(keys), max_response_len)``.
 
@@ -133,6 +144,7 @@ class SORLValuesHook:
         check_critic_enabled(config)
         check_update_step(config)
         check_cpu_device_selected(config.trainer.get("device", "cuda"))
+        check_agent_settings(config)
         # one real search before any worker starts: a dead or wrong retrieval URL stops the run here
         from sorl_verl.agent.retrieval_guard import preflight_from_config
 

@@ -316,3 +316,52 @@ async def test_built_from_agent_loops_yaml_like_verl_does(
     out = await run_episode(loop)
     text = tokenizer.decode(out.response_ids)
     assert out.extra_fields["finished"] == 1.0 and "Doc 3(" in text  # topk 3 from the YAML beats sorl.agent.topk
+
+
+async def test_unmasked_observations_train_on_every_token(tokenizer: Any, server: Any) -> None:
+    """mask_observations=false: the same episode, mask 1 on every token (one SORL turn), no rollout
+    log-probs (the observation tokens have none); the default masks them as before."""
+    script = ["<search>capital of Zorbia</search>", "<answer>Quellport</answer>"]
+    masked = await run_episode(make_loop(tokenizer, ScriptedLLMServer(tokenizer, script), server.retrieve_url))
+    loop = make_loop(tokenizer, ScriptedLLMServer(tokenizer, script), server.retrieve_url, mask_observations="false")
+    out = await run_episode(loop)
+    assert out.response_ids == masked.response_ids and 0 in masked.response_mask
+    assert out.response_mask == [1] * len(out.response_ids)
+    assert out.response_logprobs is None
+    assert int(segment_turns(torch.tensor([out.response_mask])).num_turns[0]) == 1
+
+
+@pytest.mark.parametrize("key,value", [("bypass_mode", True), ("rollout_is", "token"), ("rollout_rs", "seq_mean_k1")])
+def test_unmasked_observations_refuse_rollout_correction(tokenizer: Any, key: str, value: Any) -> None:
+    """Rollout correction needs rollout log-probs of every trained token: refused at start-up, naming
+    the setting, on the driver (SORL trainers) and in the loop (verl's own trainer)."""
+    from sorl_verl.trainer.trainers import check_agent_settings
+
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "prompt_length": 64,
+                    "response_length": 64,
+                    "name": "vllm",
+                    "agent": {"default_agent_loop": "search_r1"},
+                },
+            },
+            "algorithm": {"rollout_correction": {key: value}},
+            "sorl": {"agent": {"mask_observations": False}},
+        }
+    )
+    with pytest.raises(ValueError, match=f"rollout_correction.{key}"):
+        check_agent_settings(cfg)
+    with pytest.raises(ValueError, match=f"rollout_correction.{key}"):
+        SearchR1AgentLoop(
+            trainer_config=DictConfigWrap(cfg),
+            server_manager=ScriptedLLMServer(tokenizer, []),
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(OmegaConf.create({})),
+            retrieval_url="http://127.0.0.1:1",
+        )
+    cfg.sorl.agent.mask_observations = True
+    check_agent_settings(cfg)
