@@ -62,8 +62,8 @@ class SearchAgentSettings:
     so the loss sees only the policy's turns (Search-R1's ``state_masking``, on by default); false
     puts them in the loss too (``response_mask`` 1 throughout, so SORL sees one turn per episode) and
     reports no rollout log-probs, since no engine computed any for those tokens: verl then recomputes
-    the old log-probs, and rollout correction (``bypass_mode``, ``rollout_is``, ``rollout_rs``) is
-    refused (:func:`check_observation_masking`)."""
+    the old log-probs, and ``rollout.calculate_log_probs`` and rollout correction (``bypass_mode``,
+    ``rollout_is``, ``rollout_rs``) are refused (:func:`check_observation_masking`)."""
 
     retrieval_url: str = DEFAULT_RETRIEVAL_URL
     preset: str = "default"
@@ -145,18 +145,27 @@ ROLLOUT_LOGPROB_KEYS = ("bypass_mode", "rollout_is", "rollout_rs")
 
 def check_observation_masking(mask_observations: bool, config: Any) -> None:
     """Refuse ``mask_observations=false`` where the trainer would need rollout log-probs: the
-    observation tokens then in the loss were not generated, so no engine has their log-probs."""
-    if mask_observations:
+    observation tokens then in the loss were not generated, so no engine has their log-probs.
+    verl asks for them with ``rollout.calculate_log_probs`` (its rollout-vs-actor diagnostics) and
+    with rollout correction (``algorithm.rollout_correction``)."""
+    if mask_observations or config is None:
         return
-    algorithm = config.get("algorithm", None) if config is not None else None
-    correction = algorithm.get("rollout_correction", None) if algorithm is not None else None
-    used = [key for key in ROLLOUT_LOGPROB_KEYS if correction is not None and correction.get(key, None)]
+    from omegaconf import OmegaConf
+
+    used = {}
+    if OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs", default=None):
+        used["actor_rollout_ref.rollout.calculate_log_probs"] = True
+    for key in ROLLOUT_LOGPROB_KEYS:
+        value = OmegaConf.select(config, f"algorithm.rollout_correction.{key}", default=None)
+        if value:
+            used[f"algorithm.rollout_correction.{key}"] = value
     if used:
-        settings = ", ".join(f"algorithm.rollout_correction.{key}={correction.get(key)}" for key in used)
+        settings = ", ".join(f"{key}={value}" for key, value in used.items())
         raise ValueError(
-            f"sorl.agent.mask_observations=false trains on observation tokens that no rollout engine "
-            f"generated, so they have no rollout log-probs, but {settings} needs them. "
-            "Turn rollout correction off or keep mask_observations=true."
+            "sorl.agent.mask_observations=false trains on observation tokens that no rollout engine "
+            f"generated, so they have no rollout log-probs, but {settings} needs them. Set "
+            f"{' and '.join(f'{key}={False if value is True else None}' for key, value in used.items())} "
+            "or keep mask_observations=true."
         )
 
 

@@ -331,10 +331,19 @@ async def test_unmasked_observations_train_on_every_token(tokenizer: Any, server
     assert int(segment_turns(torch.tensor([out.response_mask])).num_turns[0]) == 1
 
 
-@pytest.mark.parametrize("key,value", [("bypass_mode", True), ("rollout_is", "token"), ("rollout_rs", "seq_mean_k1")])
-def test_unmasked_observations_refuse_rollout_correction(tokenizer: Any, key: str, value: Any) -> None:
-    """Rollout correction needs rollout log-probs of every trained token: refused at start-up, naming
-    the setting, on the driver (SORL trainers) and in the loop (verl's own trainer)."""
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("actor_rollout_ref.rollout.calculate_log_probs", True),
+        ("algorithm.rollout_correction.bypass_mode", True),
+        ("algorithm.rollout_correction.rollout_is", "token"),
+        ("algorithm.rollout_correction.rollout_rs", "seq_mean_k1"),
+    ],
+)
+def test_unmasked_observations_refuse_rollout_logprob_users(tokenizer: Any, key: str, value: Any) -> None:
+    """verl's rollout-vs-actor diagnostics and rollout correction need rollout log-probs of every
+    trained token: refused at start-up, naming the setting, on the driver (SORL trainers) and in the
+    loop (verl's own trainer); the same config with the observations masked passes."""
     from sorl_verl.trainer.trainers import check_agent_settings
 
     cfg = OmegaConf.create(
@@ -344,16 +353,19 @@ def test_unmasked_observations_refuse_rollout_correction(tokenizer: Any, key: st
                     "prompt_length": 64,
                     "response_length": 64,
                     "name": "vllm",
+                    "calculate_log_probs": False,
                     "agent": {"default_agent_loop": "search_r1"},
                 },
             },
-            "algorithm": {"rollout_correction": {key: value}},
+            "algorithm": {"rollout_correction": {"bypass_mode": False, "rollout_is": None, "rollout_rs": None}},
             "sorl": {"agent": {"mask_observations": False}},
         }
     )
-    with pytest.raises(ValueError, match=f"rollout_correction.{key}"):
+    check_agent_settings(cfg)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_agent_settings(cfg)
-    with pytest.raises(ValueError, match=f"rollout_correction.{key}"):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         SearchR1AgentLoop(
             trainer_config=DictConfigWrap(cfg),
             server_manager=ScriptedLLMServer(tokenizer, []),
