@@ -14,7 +14,11 @@ gain (AUC: the trapezoid area over ``v_0`` divided by ``s_m``); the 2-hop score 
 best ``max_j h_j`` (step 0 included) and at the end ``h_m``; the mean step scale ``u_t`` (the factor the
 normalizer applied to step t's update: ``actor/sorl/update_scale``, else ``1/Z``,
 :func:`~sorl_verl.study.aggregate.update_scale_series`) over the steps ``t < J`` and ``t >= J``, J the
-regime's lr jump (``sorl.fault_injection.from_step``; without one, all steps). An arm's value is
+regime's lr jump (``sorl.fault_injection.from_step``; without one, all steps); the share of micro-batches
+the normalizer scaled (``actor/sorl/triggered``, the fraction with ``Z > 1``), averaged over all steps:
+``u_t`` is the loss-share-weighted mean of ``1/Z`` over the step's micro-batches, so a step scale near
+``1 - triggered`` says the scaled micro-batches were scaled nearly to nothing (``Z >> 1``), a step
+scale set by how often clipping fires rather than by tau. An arm's value is
 ``mean ± sd`` (sd with n - 1) over its judged runs (:func:`~sorl_verl.study.report.judged`).
 
 The difference of arm a to control b is ``d = mean_a - mean_b`` ± ``SE = sqrt(sd_a^2/n_a + sd_b^2/n_b)``
@@ -59,6 +63,8 @@ MIN_DOSES = 2
 MATCHED_SUFFIX = "_matched"
 #: the key of the regime's lr jump (fault injection from this step on)
 JUMP_KEY = "sorl.fault_injection.from_step"
+#: the share of a step's micro-batches the normalizer scaled (Z > 1)
+TRIGGERED = "actor/sorl/triggered"
 #: the validation source of the 2-hop questions (search_qa's embedded default)
 TWO_HOP = "synthetic_2hop"
 #: the reading rule's standard-error multiple and seeds
@@ -108,6 +114,8 @@ class DoseRun:
     #: every logged step scale of the run
     scales: tuple[float, ...]
     lr: float | None
+    #: mean over steps of the share of micro-batches with Z > 1
+    triggered: float | None = None
 
 
 def dose_run(run: Mapping[str, Any], trace: Trace, jump: int | None) -> DoseRun:
@@ -126,6 +134,7 @@ def dose_run(run: Mapping[str, Any], trace: Trace, jump: int | None) -> DoseRun:
         scale_after=finite_mean(u for s, u in series if s >= cut) if jump is not None else None,
         scales=tuple(u for _, u in series if math.isfinite(u)),
         lr=run.get("lr"),
+        triggered=finite_mean(v for _, v in trace.series(TRIGGERED)),
     )
 
 
@@ -343,9 +352,9 @@ def table(dose: DoseRegime) -> str:
     before, after = _steps(dose)
     lines = [
         f"| arm | tau | seeds | final gain | peak gain | mean gain (AUC) | 2-hop at its best | 2-hop at the end "
-        f"| {before} | {after} | final gain - {CONTROL} | peak gain - {CONTROL} "
+        f"| {before} | {after} | share of micro-batches scaled (Z > 1) | final gain - {CONTROL} | peak gain - {CONTROL} "
         f"| final gain - matched-step {CONTROL} | peak gain - matched-step {CONTROL} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in dose.arms:
         name = arm.label if arm.regime == dose.regime else f"{arm.label} ({arm.regime})"
@@ -356,6 +365,7 @@ def table(dose: DoseRegime) -> str:
             f"| {spread(arm.values('gain'), sign='+')} | {spread(arm.values('peak_gain'), sign='+')} "
             f"| {spread(arm.values('auc_gain'), sign='+')} | {spread(arm.values('two_hop_best'))} "
             f"| {spread(arm.values('two_hop_end'))} | {scale[0]} | {scale[1] if dose.jump is not None else '-'} "
+            f"| {spread(arm.values('triggered'))} "
             f"| {_diff_text(arm, dose.control, 'gain')} | {_diff_text(arm, dose.control, 'peak_gain')} "
             f"| {_diff_text(arm, dose.matched, 'gain')} | {_diff_text(arm, dose.matched, 'peak_gain')} |"
         )
@@ -366,8 +376,10 @@ NOTE = (
     "Gains are validation-score gains over step 0 (mean over the sources), mean ± sd over the judged runs (sd "
     "with n - 1); the 2-hop columns are each run's best 2-hop score (step 0 included) and its last. Step scale: "
     "the factor the normalizer applied to the update (actor/sorl/update_scale), averaged over the run's steps "
-    "before and from the lr jump, then over runs; grpo logs none (its step is the lr's). Differences: arm minus "
-    "control ± SE = sqrt(sd_a^2/n_a + sd_b^2/n_b) (two independent means), in brackets in SE units."
+    "before and from the lr jump, then over runs; grpo logs none (its step is the lr's). Share scaled: the "
+    "fraction of the step's micro-batches with Z > 1 (actor/sorl/triggered), averaged over all steps, then over "
+    "runs; a step scale near 1 - that share means the scaled micro-batches were scaled nearly to nothing. "
+    "Differences: arm minus control ± SE = sqrt(sd_a^2/n_a + sd_b^2/n_b) (two independent means), in brackets in SE units."
 )
 
 

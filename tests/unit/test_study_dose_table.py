@@ -168,6 +168,8 @@ VALS = {
     ("jump", "so_grpo_grad_tau0.02"): [[0.2, 0.25, 0.2], [0.2, 0.22, 0.22]],  # seed 3 not run
 }
 SCALES = {"so_grpo_grad": [1.0, 0.9, 0.8, 0.7], "so_grpo_grad_tau0.02": [0.61, 0.62, 0.58, 0.6]}
+#: the share of micro-batches with Z > 1 at steps 1-4
+TRIGGERED = {"so_grpo_grad": [0.0, 0.25, 0.25, 0.5], "so_grpo_grad_tau0.02": [0.5, 0.25, 0.5, 0.5]}
 
 
 def write_runs(out: Path, grid: Grid) -> None:
@@ -184,6 +186,7 @@ def write_runs(out: Path, grid: Grid) -> None:
             data = {"training/global_step": s, "actor/grad_norm": 0.5}
             if c.algorithm in SCALES:
                 data["actor/sorl/update_scale"] = SCALES[c.algorithm][s - 1]
+                data["actor/sorl/triggered"] = TRIGGERED[c.algorithm][s - 1]
             recs.append({"step": s, "data": data})
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         write_record(d, {"key": c.key, "regime": c.regime, "algorithm": c.algorithm, "seed": c.seed, "steps": 4,
@@ -203,17 +206,21 @@ def test_aggregate_writes_the_dose_table_and_figure_from_an_archive(tmp_path, wr
     text = (res / "stability_dose.md").read_text()
     assert (res / "stability_dose.png").stat().st_size > 0
     assert "### jump (lr jump at step 3)" in text and "### jump_matched" not in text
-    assert "| step scale, steps 1-2 | step scale, steps 3-4 |" in text
+    assert "| step scale, steps 1-2 | step scale, steps 3-4 | share of micro-batches scaled (Z > 1) |" in text
     # grpo: finals -0.1, -0.08, -0.12; peaks 0.05, 0.02, 0.04; 2-hop best 0.25/0.22/0.24, end 0.1/0.12/0.08
     assert "| grpo | - | 1,2,3 | -0.100 ± 0.020 | +0.037 ± 0.015 |" in text
     # against matched-step grpo (finals -0.05 ± 0.01): d = -0.05, SE = sqrt(0.02^2 / 3 + 0.01^2 / 3) = 0.0129
     assert (
-        "| 0.237 ± 0.015 | 0.100 ± 0.020 | - | - | - | - | -0.050 ± 0.013 (-3.9 SE) | +0.000 ± 0.012 (+0.0 SE) |"
+        "| 0.237 ± 0.015 | 0.100 ± 0.020 | - | - | - | - | - | -0.050 ± 0.013 (-3.9 SE) | +0.000 ± 0.012 (+0.0 SE) |"
         in text
     )
-    # tau 0.05: step scale 0.95 before the jump, 0.75 after; final +0.010 ± 0.016 above grpo
+    # tau 0.05: step scale 0.95 before the jump, 0.75 after, a quarter of the micro-batches scaled (mean of
+    # 0, 0.25, 0.25, 0.5); final +0.010 ± 0.016 above grpo
     row = next(line for line in text.splitlines() if line.startswith("| so_grpo_grad | 0.05 |"))
-    assert "| 0.950 ± 0.000 | 0.750 ± 0.000 | +0.010 ± 0.016 (+0.6 SE) |" in row
+    assert "| 0.950 ± 0.000 | 0.750 ± 0.000 | 0.250 ± 0.000 | +0.010 ± 0.016 (+0.6 SE) |" in row
+    # tau 0.02: 0.4375 scaled in both seeds (grpo logs no share: its '-' in the matched-step row above)
+    row = next(line for line in text.splitlines() if line.startswith("| so_grpo_grad_tau0.02 | 0.02 |"))
+    assert "| 0.438 ± 0.000 | +" in row
     assert "| matched-step grpo (jump_matched) | - | 1,2,3 | -0.050 ± 0.010 |" in text
     assert "- so_grpo_grad (tau 0.05) against grpo: **does not dominate**" in text
     assert "- so_grpo_grad (tau 0.05) against matched-step grpo: **does not dominate**" in text
