@@ -9,6 +9,12 @@ rank, or over each rank's rows and then across ranks (the loss's token-mean with
 info, averaged by FSDP's reduce-scatter). The update is plain SGD without weight decay or gradient
 clipping, so the weights after the step are ``w0 - lr * g`` and differ between the twins by ``lr``
 times the reordered-sum difference of ``g`` plus the rounding of that one update.
+
+What it can catch: the bound stands the step's gradient norm ``G`` in for each element's sum of term
+magnitudes (unknown from a checkpoint), so it is loose by about the ratio of ``G`` to an element's
+gradient. A run-two step off by a factor ``1 + e`` fails the test when ``e x moved > 1``, ``moved`` the
+largest step in units of the bound (asserted > 10, printed), so any step error above 10 % fails it (a
+dropped or doubled rank, a wrong data-parallel scale); a reweighting of a few per cent can pass.
 """
 
 from __future__ import annotations
@@ -120,4 +126,5 @@ def test_two_data_parallel_ranks_make_the_one_rank_step(tmp_path, main_ppo, embe
     assert common
     moved = max(((w_one[k] - initial[k]) / twin_bound(fp32, config, grad_norm, w_one[k])).abs().max().item()
                 for k in common)  # fmt: skip
+    print(f"largest step / bound: {moved:.1f}; a step error above {1 / moved:.1%} fails the comparison")
     assert moved > 10, moved
