@@ -251,8 +251,9 @@ def test_dose_yaml_runs_the_four_arms_seed_by_seed_from_the_pinned_avx512_warm_s
     dose_grid, learning, natural = (load_grid(STUDY / f"{n}.yaml") for n in ("dose", "learning", "natural"))
     arms = ["grpo", "so_grpo_grad", "so_grpo_grad_tau0.02", "so_grpo_grad_tau0.01"]
     assert [c.key for c in dose_grid.cells] == [
-        f"updates16_const_jump21/{a}/seed{s}" for s in (1, 2, 3) for a in arms
-    ]  # seed 1 of every arm first
+        *(f"updates16_const_jump21/{a}/seed{s}" for s in (1, 2, 3) for a in arms),
+        *(f"updates16_const_jump21_matched/grpo/seed{s}" for s in (1, 2, 3)),
+    ]  # seed 1 of every arm first, matched-step grpo last
     assert dose_grid.name == "dose" and dose_grid.warmstart == learning.warmstart == "early-stop-50"
     assert dose_grid.warmstart_pin == natural.warmstart_pin and dose_grid.warmstart_pin.is_file()
     assert dose_grid.warmstart_digest is None and learning.warmstart_digest == "4a317b47011afc65"
@@ -261,9 +262,34 @@ def test_dose_yaml_runs_the_four_arms_seed_by_seed_from_the_pinned_avx512_warm_s
     # the learning grid's cells of the same keys, override for override (steps, validation, seeds included)
     same = {c.key: c for c in learning.cells}
     for c in dose_grid.cells:
+        if c.regime.endswith("_matched"):
+            continue
         assert list(c.overrides.items()) == list(same[c.key].overrides.items()), c.key
         assert (c.steps, c.test_freq, c.val_max_samples) == (50, 10, 300)
     assert dose_grid.seed_keys == learning.seed_keys and dose_grid.common == learning.common
+
+
+def test_dose_yamls_matched_step_regime_is_the_rules_lr_from_the_committed_archive(tmp_path):
+    """updates16_const_jump21_matched is updates16_const_jump21 with one change, the base lr, and that lr is
+    what the rule gives from the committed runs of the three taus (final: every tau has seeds 1-3)."""
+    from sorl_verl.study.aggregate import stability
+    from sorl_verl.study.dose_table import write_dose_table
+
+    grid = load_grid(STUDY / "dose.yaml")
+    jump, matched = grid.regimes["updates16_const_jump21"], grid.regimes["updates16_const_jump21_matched"]
+    lr_key = "actor_rollout_ref.actor.optim.lr"
+    assert {k: v for k, v in matched.overrides.items() if k != lr_key} == {
+        k: v for k, v in jump.overrides.items() if k != lr_key
+    }
+    tau_cells = [c for c in grid.cells if c.regime == "updates16_const_jump21"]
+    found = read_archive(ROOT / "docs" / "results" / "study" / "dose.tar.xz", {c.key for c in tau_cells})
+    assert len(found) == len(tau_cells) == 12
+    data = stability(found, grid.name, "test", pending=[], changed={})
+    written = write_dose_table(grid, tau_cells, found, data["runs"], tmp_path, "dose", plots=False)
+    assert written is not None
+    (lr,) = written[1]
+    assert lr.provisional == () and lr.seeds == (1, 2, 3) and lr.base_lr == float(jump.overrides[lr_key])
+    assert float(matched.overrides[lr_key]) == lr.lr == pytest.approx(3e-4 * lr.m_rounded, rel=1e-9)
 
 
 def test_dose_yaml_copies_learning_yamls_matched_step_definition_and_reading_rule_word_for_word():
