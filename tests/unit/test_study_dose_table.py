@@ -272,14 +272,13 @@ def test_dose_yaml_runs_the_four_arms_seed_by_seed_from_the_pinned_avx512_warm_s
 def test_dose_yamls_matched_step_regime_is_the_rules_lr_from_the_committed_archive(tmp_path):
     """updates16_const_jump21_matched is updates16_const_jump21 with one change, the base lr, and that lr is
     what the rule gives from the committed runs of the three taus (final: every tau has seeds 1-3)."""
-    from sorl_verl.study.aggregate import stability
+    from sorl_verl.study.aggregate import LR_KEY, stability
     from sorl_verl.study.dose_table import write_dose_table
 
     grid = load_grid(STUDY / "dose.yaml")
     jump, matched = grid.regimes["updates16_const_jump21"], grid.regimes["updates16_const_jump21_matched"]
-    lr_key = "actor_rollout_ref.actor.optim.lr"
-    assert {k: v for k, v in matched.overrides.items() if k != lr_key} == {
-        k: v for k, v in jump.overrides.items() if k != lr_key
+    assert {k: v for k, v in matched.overrides.items() if k != LR_KEY} == {
+        k: v for k, v in jump.overrides.items() if k != LR_KEY
     }
     tau_cells = [c for c in grid.cells if c.regime == "updates16_const_jump21"]
     found = read_archive(ROOT / "docs" / "results" / "study" / "dose.tar.xz", {c.key for c in tau_cells})
@@ -288,8 +287,8 @@ def test_dose_yamls_matched_step_regime_is_the_rules_lr_from_the_committed_archi
     written = write_dose_table(grid, tau_cells, found, data["runs"], tmp_path, "dose", plots=False)
     assert written is not None
     (lr,) = written[1]
-    assert lr.provisional == () and lr.seeds == (1, 2, 3) and lr.base_lr == float(jump.overrides[lr_key])
-    assert float(matched.overrides[lr_key]) == lr.lr == pytest.approx(3e-4 * lr.m_rounded, rel=1e-9)
+    assert lr.provisional == () and lr.seeds == (1, 2, 3) and lr.base_lr == float(jump.overrides[LR_KEY])
+    assert float(matched.overrides[LR_KEY]) == lr.lr == pytest.approx(3e-4 * lr.m_rounded, rel=1e-9)
 
 
 def test_dose_yaml_copies_learning_yamls_matched_step_definition_and_reading_rule_word_for_word():
