@@ -32,6 +32,14 @@ With ``partial_credit`` > 0 the dict gains ``acc``, the correctness score (the s
 verl picks ``acc`` over ``reward`` when the reward returns it) keeps measuring correctness while
 training is paid the shaped score. At 0 (the default) outputs and keys are exactly those without
 the knob: no ``acc`` key, so existing metric names stay ``val-core/<source>/reward/...``.
+
+``search_cost`` (default 0, a finite number in [0, 1]) charges every episode for its retrieval
+calls, an efficiency penalty: ``score -= search_cost * searches``, where ``searches`` is the
+``search_r1`` loop's count for the episode (0 without a loop record), applied after partial
+credit. It is a shortcut the agent can learn (skipping retrieval saves the cost in every episode,
+also where the answer is wrong, and GRPO's per-group standard deviation scales a cost difference
+within an all-wrong group to advantages of unit size). With ``search_cost`` > 0 the dict gains
+``acc`` as under ``partial_credit`` (the correctness score, without cost or partial credit).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ MCQ_SOURCES = frozenset({"medqa", "medmcqa"})
 AGENT_STATS = ("searches", "valid_action_ratio", "finished", "agent_turns")
 #: the reward kwarg's full config path, for error messages
 PARTIAL_CREDIT_KEY = "reward.custom_reward_function.reward_kwargs.partial_credit"
+SEARCH_COST_KEY = "reward.custom_reward_function.reward_kwargs.search_cost"
 
 
 def _gold_fields(ground_truth: Any) -> tuple[list[str], dict[str, str] | None]:
@@ -70,11 +79,11 @@ def is_mcq(data_source: str, options: dict[str, str] | None) -> bool:
     return options is not None or str(data_source).lower().split("/")[0] in MCQ_SOURCES
 
 
-def check_partial_credit(value: Any) -> float:
-    """``value`` as a float when it is a finite real number in [0, 1]; else ``ValueError`` naming the setting."""
+def check_unit_knob(value: Any, key: str) -> float:
+    """``value`` as a float when it is a finite real number in [0, 1]; else ``ValueError`` naming ``key``."""
     ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0.0 <= value <= 1.0
     if not ok:
-        raise ValueError(f"{PARTIAL_CREDIT_KEY}={value!r} is invalid: it must be a finite number in [0, 1]")
+        raise ValueError(f"{key}={value!r} is invalid: it must be a finite number in [0, 1]")
     return float(value)
 
 
@@ -95,10 +104,12 @@ def compute_score(
     format_score: float = 0.0,
     format_penalty: float = 0.0,
     partial_credit: float = 0.0,
+    search_cost: float = 0.0,
     **kwargs: Any,
 ) -> dict[str, float]:
     """Score one response; see the module docstring for the rule. Extra kwargs are ignored."""
-    partial = check_partial_credit(partial_credit)
+    partial = check_unit_knob(partial_credit, PARTIAL_CREDIT_KEY)
+    cost = check_unit_knob(search_cost, SEARCH_COST_KEY)
     golds, options = _gold_fields(ground_truth)
     recorded = loop_verdict(extra_info)
     verdict = recorded if recorded is not None else text_verdict(solution_str)
@@ -129,6 +140,8 @@ def compute_score(
     for key in AGENT_STATS:
         value = info.get(key)
         result[key] = float(value) if isinstance(value, Real) else 0.0
-    if partial > 0.0:
+    if cost > 0.0:
+        result["score"] = score - cost * result["searches"]
+    if partial > 0.0 or cost > 0.0:
         result["acc"] = correctness
     return result

@@ -1,9 +1,11 @@
-"""``compute_score(partial_credit=...)``: the opt-in F1 shortcut reward (sorl_verl/rewards/score.py).
+"""``compute_score(partial_credit=..., search_cost=...)``: the opt-in shortcut rewards
+(sorl_verl/rewards/score.py).
 
-At the default 0 every output is bit for bit the rule without the knob (a frozen copy of it below,
+At the default 0 every output is bit for bit the rule without the knobs (a frozen copy of it below,
 against a few thousand random episodes); above 0 a wrong answered QA episode scores
-``max(F, partial_credit * f1 * m)``, multiple choice is unchanged, and ``acc`` carries the
-correctness score that verl's validation then reports as its core metric.
+``max(F, partial_credit * f1 * m)``, multiple choice is unchanged, a search cost subtracts
+``search_cost * searches`` from every episode's score, and ``acc`` carries the correctness score
+that verl's validation then reports as its core metric.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sorl_verl.rewards import compute_score
 from sorl_verl.rewards.extract import loop_verdict, text_verdict
 from sorl_verl.rewards.mcq import letter_match
 from sorl_verl.rewards.qa import exact_match, f1_score, substring_exact_match
-from sorl_verl.rewards.score import AGENT_STATS, MCQ_SOURCES, PARTIAL_CREDIT_KEY
+from sorl_verl.rewards.score import AGENT_STATS, MCQ_SOURCES, PARTIAL_CREDIT_KEY, SEARCH_COST_KEY
 
 #: the keys compute_score returned before partial_credit existed (and still returns at 0)
 KEYS_WITHOUT_ACC = ("score", "em", "f1", "substring_em", "has_answer", "format_ok", "loop_record", *AGENT_STATS)
@@ -126,7 +128,7 @@ def episodes(draw: st.DrawFn) -> dict[str, Any]:
 @given(call=episodes(), zero=st.sampled_from([0.0, 0, None]))
 def test_default_zero_is_bit_for_bit_the_rule_without_the_knob(call: dict[str, Any], zero: float | None) -> None:
     expected = score_before_partial_credit(**call)
-    got = compute_score(**call) if zero is None else compute_score(**call, partial_credit=zero)
+    got = compute_score(**call) if zero is None else compute_score(**call, partial_credit=zero, search_cost=zero)
     assert tuple(got) == KEYS_WITHOUT_ACC and tuple(expected) == KEYS_WITHOUT_ACC  # same keys, same order
     for key in KEYS_WITHOUT_ACC:  # same values and types (0.0 and -0.0 told apart through copysign)
         assert type(got[key]) is type(expected[key]), key
@@ -204,3 +206,39 @@ def test_invalid_partial_credit_is_refused_naming_the_setting(bad: Any) -> None:
 def test_boundaries_are_accepted(ok: float) -> None:
     r = compute_score("nq", HEDGE, GT, partial_credit=ok)
     assert ("acc" in r) is (ok > 0)
+
+
+@settings(max_examples=1500)
+@given(call=episodes(), partial=st.sampled_from([0.0, 0.5, 1.0]), cost=st.floats(0.0, 1.0, exclude_min=True))
+def test_search_cost_subtracts_cost_times_searches(call: dict[str, Any], partial: float, cost: float) -> None:
+    without = compute_score(**call, partial_credit=partial)
+    got = compute_score(**call, partial_credit=partial, search_cost=cost)
+    assert tuple(got) == (*KEYS_WITHOUT_ACC, "acc")
+    assert got["score"] == without["score"] - cost * without["searches"]
+    assert got["acc"] == score_before_partial_credit(**call)["score"]  # correctness: neither knob
+    assert {k: v for k, v in got.items() if k not in ("score", "acc")} == {
+        k: v for k, v in without.items() if k not in ("score", "acc")
+    }
+
+
+def test_search_cost_hand_checked() -> None:
+    rec = {"final_answer": "Marie Curie", "finished": 1.0, "well_formed": 1.0, "searches": 2}
+    right = compute_score("synthetic_2hop", "", GT, extra_info=rec, search_cost=0.1)
+    assert right["score"] == pytest.approx(0.8) and (right["acc"], right["searches"]) == (1.0, 2.0)
+    wrong = compute_score("synthetic_2hop", "", GT, extra_info={**rec, "final_answer": "Lyon"}, search_cost=0.1)
+    assert wrong["score"] == pytest.approx(-0.2) and wrong["acc"] == 0.0
+    no_search = compute_score("nq", "", GT, extra_info={**rec, "final_answer": "Lyon", "searches": 0}, search_cost=0.1)
+    assert (no_search["score"], no_search["acc"]) == (0.0, 0.0)
+    # with partial credit the cost comes after it: a hedge with one search
+    hedge = compute_score("nq", HEDGE, GT, extra_info=None, partial_credit=1.0, search_cost=0.25)
+    assert hedge["searches"] == 0.0 and hedge["score"] == pytest.approx(HEDGE_F1)  # no loop record: no count
+    hedged = {**rec, "final_answer": "Marie Curie or Pierre Curie", "searches": 1}
+    r = compute_score("nq", "", GT, extra_info=hedged, partial_credit=1.0, search_cost=0.25)
+    assert r["score"] == pytest.approx(HEDGE_F1 - 0.25) and r["acc"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan, math.inf, "0.1", None, True])
+def test_invalid_search_cost_is_refused_naming_the_setting(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"search_cost=.* is invalid: it must be a finite number in \[0, 1\]") as e:
+        compute_score("nq", "<answer>x</answer>", GT, search_cost=bad)
+    assert SEARCH_COST_KEY in str(e.value)
