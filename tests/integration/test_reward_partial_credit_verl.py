@@ -71,15 +71,20 @@ class DecodeTable:
         return self.texts[int(ids[0])]
 
 
-def batch(i: int) -> DataProto:
-    """One validation row as the agent loop leaves it: response token ``i``, QA data source ``nq``."""
+def batch(i: int, searches: int | None = None) -> DataProto:
+    """One validation row as the agent loop leaves it: response token ``i``, QA data source ``nq``;
+    with ``searches`` the loop's per-episode statistics, which verl's reward manager merges into
+    ``extra_info`` (``tool_extra_fields``)."""
+    non_tensors = {
+        "data_source": np.array(["nq"], dtype=object),
+        "reward_model": np.array([{"ground_truth": GOLD}], dtype=object),
+        "extra_info": np.array([{}], dtype=object),
+    }
+    if searches is not None:
+        non_tensors["tool_extra_fields"] = np.array([{"searches": searches, "agent_turns": searches + 1}], dtype=object)
     return DataProto.from_dict(
         tensors={"responses": torch.tensor([[i]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)},
-        non_tensors={
-            "data_source": np.array(["nq"], dtype=object),
-            "reward_model": np.array([{"ground_truth": GOLD}], dtype=object),
-            "extra_info": np.array([{}], dtype=object),
-        },
+        non_tensors=non_tensors,
     )
 
 
@@ -116,10 +121,11 @@ def test_without_the_override_verl_calls_it_as_before() -> None:
     assert r["score"] == 0.0 and "acc" not in r
 
 
-async def reward_manager_results(*overrides: str) -> list[dict]:
+async def reward_manager_results(*overrides: str, searches: list[int] | None = None) -> list[dict]:
     """Each episode scored by the reward manager verl builds from the config (built in the running loop)."""
     manager = load_reward_manager(composed(*overrides), DecodeTable([t for t, _, _ in EPISODES]))
-    return [await manager.run_single(batch(i)) for i in range(len(EPISODES))]
+    counts = searches or [None] * len(EPISODES)
+    return [await manager.run_single(batch(i, n)) for i, n in enumerate(counts)]
 
 
 async def test_validation_core_metric_is_acc_with_partial_credit() -> None:
@@ -152,3 +158,20 @@ async def test_a_trace_mixing_reward_and_acc_runs_scores_each_by_its_core_metric
     for metrics in (plain, shaped):
         trace = parse_records([json.dumps({"step": 0, "data": {k: float(v) for k, v in metrics.items()}})])
         assert trace.val_scores == [(0, pytest.approx(1 / 3))]
+
+
+async def test_search_cost_regime_charges_the_loops_search_count() -> None:
+    """natural.yaml's demo_search_cost cell: verl's reward manager reads the loop's ``searches`` and the
+    training reward is correctness - 0.1 x searches, while validation and the guard read ``acc``."""
+    args = regime_cell_args("demo_search_cost")
+    assert "+reward.custom_reward_function.reward_kwargs.search_cost=0.1" in args
+    assert "sorl.guard.val_metric=val-core/*/acc/mean@*" in args
+    assert composed(*args).reward.custom_reward_function.reward_kwargs.search_cost == 0.1
+    results = await reward_manager_results(*args, searches=[1, 2, 0])  # hedge, correct, miss
+    assert [r["reward_score"] for r in results] == pytest.approx([-0.1, 0.8, 0.0])
+    metrics = val_metrics(results)
+    assert metrics["val-core/nq/acc/mean@1"] == pytest.approx(1 / 3)
+    assert metrics["val-aux/nq/reward/mean@1"] == pytest.approx(0.7 / 3)
+    assert metrics["val-aux/nq/searches/mean@1"] == pytest.approx(1.0)
+    assert validation_by_source(metrics) == {"nq": pytest.approx(1 / 3)}
+    assert validation_score(metrics, "val-core/*/acc/mean@*") == pytest.approx(1 / 3)
