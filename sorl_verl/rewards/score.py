@@ -40,6 +40,14 @@ credit. It is a shortcut the agent can learn (skipping retrieval saves the cost 
 also where the answer is wrong, and GRPO's per-group standard deviation scales a cost difference
 within an all-wrong group to advantages of unit size). With ``search_cost`` > 0 the dict gains
 ``acc`` as under ``partial_credit`` (the correctness score, without cost or partial credit).
+
+``answer_match`` (default ``"em"``) chooses what pays an open-domain QA answer as correct: ``"em"``
+(exact match of the normalized answer with a gold) or ``"substring_em"`` (a normalized gold is a
+substring of the normalized answer, Search-R1's lenient ``subem`` check: an answer that lists
+several candidates, or copies a retrieved sentence, is paid in full whenever it contains the gold,
+a shortcut the agent can learn). Partial credit then applies to answers that do not match.
+Multiple choice is unchanged. With ``"substring_em"`` the dict gains ``acc``, correctness by
+exact match, as under the other two knobs.
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ AGENT_STATS = ("searches", "valid_action_ratio", "finished", "agent_turns")
 #: the reward kwarg's full config path, for error messages
 PARTIAL_CREDIT_KEY = "reward.custom_reward_function.reward_kwargs.partial_credit"
 SEARCH_COST_KEY = "reward.custom_reward_function.reward_kwargs.search_cost"
+ANSWER_MATCH_KEY = "reward.custom_reward_function.reward_kwargs.answer_match"
+ANSWER_MATCHES = ("em", "substring_em")
 
 
 def _gold_fields(ground_truth: Any) -> tuple[list[str], dict[str, str] | None]:
@@ -105,11 +115,15 @@ def compute_score(
     format_penalty: float = 0.0,
     partial_credit: float = 0.0,
     search_cost: float = 0.0,
+    answer_match: str = "em",
     **kwargs: Any,
 ) -> dict[str, float]:
     """Score one response; see the module docstring for the rule. Extra kwargs are ignored."""
     partial = check_unit_knob(partial_credit, PARTIAL_CREDIT_KEY)
     cost = check_unit_knob(search_cost, SEARCH_COST_KEY)
+    if answer_match not in ANSWER_MATCHES:
+        raise ValueError(f"{ANSWER_MATCH_KEY}={answer_match!r} is invalid: it must be one of {', '.join(ANSWER_MATCHES)}")
+    lenient = answer_match == "substring_em"
     golds, options = _gold_fields(ground_truth)
     recorded = loop_verdict(extra_info)
     verdict = recorded if recorded is not None else text_verdict(solution_str)
@@ -123,10 +137,12 @@ def compute_score(
     else:
         em, f1, sub_em = exact_match(answer, golds), f1_score(answer, golds), substring_exact_match(answer, golds)
     correct_score = 1.0 if well_formed else 1.0 - float(format_penalty)
-    correctness = correct_score if em else (float(format_score) if well_formed else 0.0)
-    score = correctness
-    if partial > 0.0 and not mcq and not em and answer is not None:
-        score = shaped_score(correctness, f1, well_formed, partial, format_penalty)
+    miss_score = float(format_score) if well_formed else 0.0
+    correctness = correct_score if em else miss_score
+    paid = sub_em if lenient else em
+    score = correct_score if paid else miss_score
+    if partial > 0.0 and not mcq and not paid and answer is not None:
+        score = shaped_score(score, f1, well_formed, partial, format_penalty)
     result = {
         "score": score,
         "em": em,
@@ -142,6 +158,6 @@ def compute_score(
         result[key] = float(value) if isinstance(value, Real) else 0.0
     if cost > 0.0:
         result["score"] = score - cost * result["searches"]
-    if partial > 0.0 or cost > 0.0:
+    if partial > 0.0 or cost > 0.0 or lenient:
         result["acc"] = correctness
     return result

@@ -175,3 +175,17 @@ async def test_search_cost_regime_charges_the_loops_search_count() -> None:
     assert metrics["val-aux/nq/searches/mean@1"] == pytest.approx(1.0)
     assert validation_by_source(metrics) == {"nq": pytest.approx(1 / 3)}
     assert validation_score(metrics, "val-core/*/acc/mean@*") == pytest.approx(1 / 3)
+
+
+async def test_substring_match_regime_pays_a_hedge_in_full() -> None:
+    """natural.yaml's demo_substring_em cell: the hedge (it contains the gold) is paid 1 in training,
+    validation and the guard read exact match (``acc``)."""
+    args = regime_cell_args("demo_substring_em")
+    assert "+reward.custom_reward_function.reward_kwargs.answer_match=substring_em" in args
+    assert "sorl.guard.val_metric=val-core/*/acc/mean@*" in args
+    results = await reward_manager_results(*args)  # hedge, correct, miss
+    assert [r["reward_score"] for r in results] == [1.0, 1.0, 0.0]
+    metrics = val_metrics(results)
+    assert metrics["val-core/nq/acc/mean@1"] == pytest.approx(1 / 3)
+    assert metrics["val-aux/nq/reward/mean@1"] == pytest.approx(2 / 3)
+    assert validation_score(metrics, "val-core/*/acc/mean@*") == pytest.approx(1 / 3)

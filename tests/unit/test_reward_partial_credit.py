@@ -1,10 +1,11 @@
-"""``compute_score(partial_credit=..., search_cost=...)``: the opt-in shortcut rewards
-(sorl_verl/rewards/score.py).
+"""``compute_score(partial_credit=..., search_cost=..., answer_match=...)``: the opt-in shortcut
+rewards (sorl_verl/rewards/score.py).
 
 At the default 0 every output is bit for bit the rule without the knobs (a frozen copy of it below,
 against a few thousand random episodes); above 0 a wrong answered QA episode scores
 ``max(F, partial_credit * f1 * m)``, multiple choice is unchanged, a search cost subtracts
-``search_cost * searches`` from every episode's score, and ``acc`` carries the correctness score
+``search_cost * searches`` from every episode's score, ``answer_match="substring_em"`` pays an answer
+containing a gold in full, and ``acc`` carries the correctness score
 that verl's validation then reports as its core metric.
 """
 
@@ -23,7 +24,7 @@ from sorl_verl.rewards import compute_score
 from sorl_verl.rewards.extract import loop_verdict, text_verdict
 from sorl_verl.rewards.mcq import letter_match
 from sorl_verl.rewards.qa import exact_match, f1_score, substring_exact_match
-from sorl_verl.rewards.score import AGENT_STATS, MCQ_SOURCES, PARTIAL_CREDIT_KEY, SEARCH_COST_KEY
+from sorl_verl.rewards.score import AGENT_STATS, ANSWER_MATCH_KEY, MCQ_SOURCES, PARTIAL_CREDIT_KEY, SEARCH_COST_KEY
 
 #: the keys compute_score returned before partial_credit existed (and still returns at 0)
 KEYS_WITHOUT_ACC = ("score", "em", "f1", "substring_em", "has_answer", "format_ok", "loop_record", *AGENT_STATS)
@@ -242,3 +243,41 @@ def test_invalid_search_cost_is_refused_naming_the_setting(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"search_cost=.* is invalid: it must be a finite number in \[0, 1\]") as e:
         compute_score("nq", "<answer>x</answer>", GT, search_cost=bad)
     assert SEARCH_COST_KEY in str(e.value)
+
+
+@settings(max_examples=1500)
+@given(call=episodes(), partial=st.sampled_from([0.0, 0.5, 1.0]), cost=st.sampled_from([0.0, 0.1]))
+def test_substring_match_pays_an_answer_containing_a_gold(call: dict[str, Any], partial: float, cost: float) -> None:
+    knobs = {"partial_credit": partial, "search_cost": cost}
+    strict = compute_score(**call, **knobs)
+    got = compute_score(**call, **knobs, answer_match="substring_em")
+    assert tuple(got) == (*KEYS_WITHOUT_ACC, "acc")
+    assert got["acc"] == score_before_partial_credit(**call)["score"]  # correctness by exact match
+    assert {k: v for k, v in got.items() if k not in ("score", "acc")} == {
+        k: v for k, v in strict.items() if k not in ("score", "acc")
+    }
+    if got["substring_em"] and not got["em"]:  # a QA answer containing a gold: paid as a correct one
+        m = 1.0 if got["format_ok"] else 1.0 - call["format_penalty"]
+        assert got["score"] == m - cost * got["searches"]
+    else:  # exact, multiple choice (substring_em is em there) or no gold inside: as under "em"
+        assert got["score"] == strict["score"]
+
+
+def test_substring_match_hand_checked() -> None:
+    for answer in ("Marie Curie or Pierre Curie", "Marie Curie was born in Warsaw", "marie curie"):
+        r = compute_score("nq", f"<answer>{answer}</answer>", GT, answer_match="substring_em")
+        assert (r["score"], r["acc"]) == (1.0, float(answer == "marie curie")), answer
+    assert compute_score("nq", "<answer>Curie</answer>", GT, answer_match="substring_em")["score"] == 0.0
+    # partial credit still pays a wrong answer that overlaps the gold without containing it
+    r = compute_score("nq", "<answer>Pierre Curie</answer>", GT, answer_match="substring_em", partial_credit=1.0)
+    assert r["score"] == pytest.approx(f1_score("Pierre Curie", GT["target"])) and r["acc"] == 0.0
+    # multiple choice: a hedge over letters chooses nothing, under either match
+    gt = {"target": ["B"], "options": OPTIONS}
+    assert compute_score("medqa", "<answer>A or B</answer>", gt, answer_match="substring_em")["score"] == 0.0
+
+
+@pytest.mark.parametrize("bad", ["EM", "subem", "substring", "", None, 1])
+def test_invalid_answer_match_is_refused_naming_the_setting(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"answer_match=.* is invalid: it must be one of em, substring_em") as e:
+        compute_score("nq", "<answer>x</answer>", GT, answer_match=bad)
+    assert ANSWER_MATCH_KEY in str(e.value)
