@@ -33,6 +33,10 @@ A grid file (``recipe/sorl/study/<name>.yaml``)::
         steps: 100                # optional: this regime's cells run 100 steps (default: the grid's steps)
         test_freq: 5              # optional: and validate every 5 steps (default: the grid's test_freq)
         val_max_samples: 100      # optional: on 100 questions (default: the grid's val_max_samples)
+      from_early_stop:
+        warmstart: early-stop     # optional, with warmstart_pin: this regime's cells start from another
+        warmstart_pin: ../../../docs/results/study/warmstart-early-stop-<digest>.tar.xz   # of the task's
+                                  # warm-starts, pinned (the grid's data and retrieval server; see below)
       many_updates_p5:            # a protocol twin: many_updates' training (its overrides, equal: checked
         protocol_of: many_updates # at load) validated every 5 steps on 100 questions; in the analysis it
         test_freq: 5              # takes its base's role (optional; see below)
@@ -89,6 +93,15 @@ base, and its ``steps`` must be the base's (the lr schedule spans the run), so t
 a twin may not be one of ``guard_controls``. The key changes no cell's overrides. The analysis reads
 it through :meth:`Grid.base_regime`: a twin is neither an admission candidate nor a control of the
 GUARD-default rule (guard_table.py), and in the rule table (rule_table.py) it takes its base's role.
+
+A regime with its own ``warmstart`` (a name of the task's warm-starts) and ``warmstart_pin`` (both or
+neither; the pin's path relative to the file that names it, checked by name and presence at load)
+starts its cells from those pinned weights instead of the grid's model: :attr:`Cell.warmstart` is the
+regime's name and :attr:`Cell.warmstart_pin` its pin, which the runner unpacks once next to the grid's
+model folder and checks by digest. Everything else is the grid's (training and validation data,
+retrieval server, overrides), so the warm-start must train on the grid's questions (``demo_paths.
+train_files``; refused at load otherwise); the run record names the warm-start and the loaded
+weights' digest.
 """
 
 from __future__ import annotations
@@ -135,7 +148,16 @@ GRID_KEYS = {
 }
 LIBRARY_KEYS = {"description", "seed_keys", "common", "algorithms", "regimes"}
 ENTRY_KEYS = {"description", "overrides", "per_regime", "sweep"}
-REGIME_KEYS = {"description", "overrides", "steps", "test_freq", "val_max_samples", "protocol_of"}
+REGIME_KEYS = {
+    "description",
+    "overrides",
+    "steps",
+    "test_freq",
+    "val_max_samples",
+    "protocol_of",
+    "warmstart",
+    "warmstart_pin",
+}
 #: the hydra key of a cell's run length: set from ``steps`` (the grid's or the regime's), never overridden
 STEPS_KEY = "trainer.total_training_steps"
 #: the hydra key of a cell's validation interval: set from ``test_freq`` (the grid's or the regime's)
@@ -178,6 +200,10 @@ class Entry:
     val_max_samples: int | None = None
     #: a protocol twin's base regime (None: not a twin; module docstring); algorithms have none
     protocol_of: str | None = None
+    #: a regime's own warm-start (a name of the task's ``WARM_STARTS``; None: the grid's) and its pinned
+    #: weights (set together: a regime starts from other weights only when they are pinned by content)
+    warmstart: str | None = None
+    warmstart_pin: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +217,7 @@ class Cell:
     overrides: Mapping[str, str]
     #: the grid's task (hydra ``+task=`` overlay); not part of the key: one task per grid
     task: str = DEFAULT_TASK
-    #: the grid's warm-start (a name of the task's ``WARM_STARTS``); one per grid, like the task
+    #: the warm-start (a name of the task's ``WARM_STARTS``): the grid's, or its regime's own
     warmstart: str = DEFAULT_WARMSTART
     #: the cell's run length, its ``trainer.total_training_steps``: the regime's ``steps``, else the
     #: grid's (every cell of :func:`load_grid` has it; None only in a cell made by hand: the grid's)
@@ -202,6 +228,8 @@ class Cell:
     #: the cell's validation size, its ``data.val_max_samples`` = ``data.val_batch_size``: the regime's
     #: ``val_max_samples``, else the grid's (None only in a cell made by hand: the grid's)
     val_max_samples: int | None = None
+    #: the regime's own pinned warm-start, which the cell loads instead of the grid's model (None: the grid's)
+    warmstart_pin: Path | None = None
 
     @property
     def key(self) -> str:
@@ -415,6 +443,11 @@ def _raw_entries(loc: _Located, section: str, data: Any) -> dict[str, dict[str, 
         if "protocol_of" in raw:
             entry["protocol_of"] = _name(loc, [section, name, "protocol_of"], raw["protocol_of"])
             entry["_protocol_loc"] = loc
+        if ("warmstart" in raw) != ("warmstart_pin" in raw):
+            raise loc.error([section, name], "a regime's own warmstart needs its warmstart_pin, and the pin its name")
+        if "warmstart" in raw:
+            entry["warmstart"] = str(raw["warmstart"])
+            entry["warmstart_pin"] = _pin(loc, [section, name, "warmstart_pin"], raw["warmstart_pin"])
         if "overrides" in raw:
             entry["overrides"] = _overrides(loc, [section, name, "overrides"], raw["overrides"])
         if "per_regime" in raw:
@@ -471,6 +504,8 @@ def _merge(base: dict[str, dict[str, Any]], top: dict[str, dict[str, Any]]) -> d
                 merged[key] = entry[key]
         if "protocol_of" in entry:
             merged["protocol_of"], merged["_protocol_loc"] = entry["protocol_of"], entry["_protocol_loc"]
+        if "warmstart" in entry:
+            merged["warmstart"], merged["warmstart_pin"] = entry["warmstart"], entry["warmstart_pin"]
     return out
 
 
@@ -485,6 +520,8 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
             "per_regime": e.get("per_regime", {}),
             **{key: e.get(key) for key in REGIME_OWN},
             "protocol_of": e.get("protocol_of"),
+            "warmstart": e.get("warmstart"),
+            "warmstart_pin": e.get("warmstart_pin"),
         }
         sweep = e.get("sweep")
         if not sweep:
@@ -503,6 +540,8 @@ def _expand(section: str, raw: dict[str, dict[str, Any]]) -> tuple[dict[str, Ent
                 overrides={**base["overrides"], sweep["key"]: v},
                 per_regime=base["per_regime"],
                 **{key: base[key] for key in REGIME_OWN},
+                warmstart=base["warmstart"],
+                warmstart_pin=base["warmstart_pin"],
             )
             members.append(member)
         groups[name] = members
@@ -564,15 +603,7 @@ def load_grid(path: str | Path) -> Grid:
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
     warmstart_pin = None
     if data.get("warmstart_pin") is not None:
-        from sorl_verl.study.pinned_warmstart import PinError, pin_digest
-
-        warmstart_pin = (path.parent / str(data["warmstart_pin"])).resolve()
-        try:
-            pin_digest(warmstart_pin)
-        except PinError as e:
-            raise loc.error(["warmstart_pin"], str(e)) from None
-        if not warmstart_pin.is_file():
-            raise loc.error(["warmstart_pin"], f"{warmstart_pin} not found")
+        warmstart_pin = _pin(loc, ["warmstart_pin"], data["warmstart_pin"])
     warmstart_digest = data.get("warmstart_digest")
     if warmstart_digest is not None:
         if warmstart_pin is not None:
@@ -594,6 +625,9 @@ def load_grid(path: str | Path) -> Grid:
     raw_reg = _merge(lib_reg, _raw_entries(loc, "regimes", data.get("regimes")))
     algorithms, alg_groups = _expand("algorithms", raw_alg)
     regimes, _ = _expand("regimes", raw_reg)
+    for r, e in raw_reg.items():
+        if e.get("warmstart") is not None:
+            _check_regime_warmstart(e["_loc"], ["regimes", r, "warmstart"], e["warmstart"], task, warmstart, known)
     for a in raw_alg.values():
         for r in a.get("per_regime", {}):
             if r not in regimes:
@@ -694,6 +728,37 @@ def _protocol_twins(
                 )
 
 
+def _pin(loc: _Located, keys: list[Any], value: Any) -> Path:
+    """A pinned warm-start's path (relative to the file that names it), checked by name and presence."""
+    from sorl_verl.study.pinned_warmstart import PinError, pin_digest
+
+    pin = (loc.path.parent / str(value)).resolve()
+    try:
+        pin_digest(pin)
+    except PinError as e:
+        raise loc.error(keys, str(e)) from None
+    if not pin.is_file():
+        raise loc.error(keys, f"{pin} not found")
+    return pin
+
+
+def _check_regime_warmstart(
+    loc: _Located, keys: list[Any], name: str, task: str, grid_warmstart: str, known: Sequence[str]
+) -> None:
+    """A regime's own warm-start must be one of the task's and train on the grid's questions (the cells
+    share the grid's data and retrieval server; only the model differs)."""
+    from sorl_verl.embedded.demo_paths import train_files
+
+    if name not in known:
+        raise loc.error(keys, f"unknown warm-start {name!r} of task {task} (known: {', '.join(known)})")
+    probe = {"train": "train", "train_1hop": "train_1hop", "train_2hop": "train_2hop"}
+    embedded = EMBEDDED_TASK[task]
+    if train_files(embedded, name, probe) != train_files(embedded, grid_warmstart, probe):
+        raise loc.error(
+            keys, f"warm-start {name!r} trains on other questions than the grid's {grid_warmstart!r}: give it a grid"
+        )
+
+
 def _guard_controls(loc: _Located, value: Any, regimes: Mapping[str, Entry]) -> tuple[str, ...]:
     """The optional ``guard_controls`` list: names of the grid's regimes (an empty tuple when absent)."""
     if value is None:
@@ -776,10 +841,11 @@ def _cells(
                                 seed=s,
                                 overrides=overrides,
                                 task=task,
-                                warmstart=warmstart,
+                                warmstart=reg.warmstart or warmstart,
                                 steps=steps,
                                 test_freq=test_freq,
                                 val_max_samples=val_size,
+                                warmstart_pin=reg.warmstart_pin,
                             )
                         )
     return cells

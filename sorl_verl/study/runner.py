@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -426,6 +426,16 @@ def prepare_inputs(
     return Inputs(train=built.train, val=built.val, model=model, retrieval_url=server.retrieve_url), server
 
 
+def cell_inputs(cell: Cell, inputs: Inputs, log: TextIO) -> Inputs:
+    """The grid's inputs, with the model of the cell's regime's own pinned warm-start when it has one
+    (unpacked once next to the grid's model folder and checked by digest, :func:`pinned_model`)."""
+    if cell.warmstart_pin is None:
+        return inputs
+    model = pinned_model(cell.warmstart_pin, inputs.model.parent)
+    print(f"[study] {cell.key}: the regime's own pinned warm-start {cell.warmstart} at {model}", file=log, flush=True)
+    return replace(inputs, model=model)
+
+
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM / SIGHUP raise SystemExit (128 + signal) in the main thread, so cleanup runs:
@@ -498,7 +508,10 @@ def run_grid(
                     print(f"{tag} start ({grid.steps_of(cell)} steps)", file=log, flush=True)
                     directory = cell_dir(out, cell)
                     limit = timeout_s or default_timeout_s(grid, cell)
-                    rec = run_cell(grid, cell, directory, inputs, tag=tag, timeout_s=limit, out=log, pass_fds=fds)
+                    rec = run_cell(
+                        grid, cell, directory, cell_inputs(cell, inputs, log), tag=tag, timeout_s=limit, out=log,
+                        pass_fds=fds,
+                    )  # fmt: skip
                 counts["ran"] += 1
                 counts[rec["status"]] += 1
                 print(_finished_line(tag, rec, cell_dir(out, cell)), file=log, flush=True)

@@ -397,7 +397,7 @@ def test_a_regimes_steps_merge_over_the_included_library(tmp_path, write_grid):
             ("steps: 10", "stepz: 10"),
             9,
             "regimes.long.stepz: unknown key (allowed: description, overrides, protocol_of, steps, test_freq, "
-            "val_max_samples)",
+            "val_max_samples, warmstart, warmstart_pin)",
         ),
         (("a: {overrides: {x.z: 1}}", "a: {overrides: {x.z: 1}, steps: 3}"), 11, "algorithms.a.steps: unknown key"),
         # the run length is the steps key's alone: no override (any prefix) or sweep may set it
