@@ -89,7 +89,8 @@ natural.yaml: the ``*_p5`` regimes). At load, the base must exist, must not be t
 must have no ``protocol_of`` of its own; the twin's overrides must equal the base's (as the cells
 write them) and every algorithm's ``per_regime`` entry for the twin must equal its entry for the
 base, and its ``steps`` must be the base's (the lr schedule spans the run), so the two differ only in
-``test_freq``, ``val_max_samples`` and the description;
+``test_freq``, ``val_max_samples`` and the description (a regime's own warm-start, below, must be the
+base's too);
 a twin may not be one of ``guard_controls``. The key changes no cell's overrides. The analysis reads
 it through :meth:`Grid.base_regime`: a twin is neither an admission candidate nor a control of the
 GUARD-default rule (guard_table.py), and in the rule table (rule_table.py) it takes its base's role.
@@ -717,6 +718,12 @@ def _protocol_twins(
                 keys,
                 f"a protocol twin trains as its base: steps {entry.steps or 'the grid default'} here but "
                 f"{regimes[base].steps or 'the grid default'} in {base!r} (the lr schedule spans the run's steps)",
+            )
+        if (entry.warmstart, entry.warmstart_pin) != (regimes[base].warmstart, regimes[base].warmstart_pin):
+            raise loc.error(
+                keys,
+                f"a protocol twin trains as its base: warm-start {entry.warmstart or 'the grid'}'s here but "
+                f"{regimes[base].warmstart or 'the grid'}'s in {base!r} (set the same warmstart and warmstart_pin)",
             )
         for alg in algorithms.values():
             mine, theirs = formatted(alg.per_regime.get(name, {})), formatted(alg.per_regime.get(base, {}))

@@ -92,3 +92,15 @@ def test_run_grid_loads_the_regimes_pin_for_its_cells_alone(tmp_path, write_grid
     digest = es_pin.name.removesuffix(".tar.xz").rsplit("-", 1)[1]
     assert es_model == tmp_path / "cache" / f"model-{digest}" and model_digest(es_model) == digest
     assert "es/grpo/seed1: the regime's own pinned warm-start early-stop" in log.getvalue()
+
+
+def test_a_protocol_twin_must_start_from_its_bases_warmstart(tmp_path, write_grid, es_pin):
+    pinned = f"warmstart: early-stop, warmstart_pin: pins/{es_pin.name}"
+    text = grid_text(pinned).replace("          es: {", "          es_p5: {protocol_of: es, test_freq: 1}\n          es: {")
+    path = write_grid(tmp_path, text)
+    with pytest.raises(GridError, match="a protocol twin trains as its base: warm-start the grid's here but early-stop's"):
+        load_grid(path)
+    twin = f"es_p5: {{protocol_of: es, test_freq: 1, {pinned}}}"
+    ok = grid_text(pinned).replace("          es: {", f"          {twin}\n          es: {{")
+    grid = load_grid(write_grid(tmp_path, ok, name="ok.yaml"))
+    assert grid.regimes["es_p5"].warmstart_pin == grid.regimes["es"].warmstart_pin
