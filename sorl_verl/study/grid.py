@@ -597,8 +597,7 @@ def load_grid(path: str | Path) -> Grid:
     from sorl_verl.embedded.demo_paths import warmstart_names
 
     known = warmstart_names(EMBEDDED_TASK[task])
-    if warmstart not in known:
-        raise loc.error(["warmstart"], f"unknown warm-start {warmstart!r} of task {task} (known: {', '.join(known)})")
+    _known_warmstart(loc, ["warmstart"], warmstart, task, known)
     steps = _positive_int(loc, ["steps"], data.get("steps"))
     test_freq = _positive_int(loc, ["test_freq"], data.get("test_freq", steps))
     val_max_samples = _positive_int(loc, ["val_max_samples"], data.get("val_max_samples", 96))
@@ -749,6 +748,12 @@ def _pin(loc: _Located, keys: list[Any], value: Any) -> Path:
     return pin
 
 
+def _known_warmstart(loc: _Located, keys: list[Any], name: str, task: str, known: Sequence[str]) -> None:
+    """Refuse a warm-start name (the grid's or a regime's) that is not one of the task's."""
+    if name not in known:
+        raise loc.error(keys, f"unknown warm-start {name!r} of task {task} (known: {', '.join(known)})")
+
+
 def _check_regime_warmstart(
     loc: _Located, keys: list[Any], name: str, task: str, grid_warmstart: str, known: Sequence[str]
 ) -> None:
@@ -756,8 +761,7 @@ def _check_regime_warmstart(
     share the grid's data and retrieval server; only the model differs)."""
     from sorl_verl.embedded.demo_paths import train_files
 
-    if name not in known:
-        raise loc.error(keys, f"unknown warm-start {name!r} of task {task} (known: {', '.join(known)})")
+    _known_warmstart(loc, keys, name, task, known)
     probe = {"train": "train", "train_1hop": "train_1hop", "train_2hop": "train_2hop"}
     embedded = EMBEDDED_TASK[task]
     if train_files(embedded, name, probe) != train_files(embedded, grid_warmstart, probe):
