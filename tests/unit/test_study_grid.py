@@ -427,7 +427,8 @@ def test_bad_regime_steps_fail_at_load_naming_the_regime_and_key(tmp_path, write
 def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     grid = load_grid(STUDY / "natural.yaml")
     assert grid.steps == 50 and grid.regimes["demo_long100"].steps == 100
-    assert [c.key for c in grid.cells if c.steps != 50] == ["demo_long100/grpo/seed1"]  # seed 1 first
+    long_cells = [c.key for c in grid.cells if c.steps != 50]  # seed 1 first, each
+    assert long_cells == ["demo_long100/grpo/seed1", "demo_long200_const/grpo/seed1"]
     (long,) = [c for c in grid.cells if c.key == "demo_long100/grpo/seed1"]
     demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
     # no override of its own: the demo regime's three restate the recipe's values (the CPU overlay's
@@ -443,6 +444,19 @@ def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     }
     assert {k: v for k, v in demo.overrides.items() if k not in restated} == {**long.overrides, STEPS_KEY: "50"}
     assert long.overrides[STEPS_KEY] == "100" and long.overrides["trainer.test_freq"] == "10"
+
+
+def test_natural_grid_long_constant_run_is_the_demo_cell_without_decay_for_200_steps():
+    """demo_long200_const differs from the demo cell only in the lr schedule (constant after the
+    recipe's warm-up) and the horizon (200 steps); the KL anchor and the recipe's lr stay."""
+    grid = load_grid(STUDY / "natural.yaml")
+    (long,) = [c for c in grid.cells if c.key == "demo_long200_const/grpo/seed1"]
+    demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
+    assert long.steps == 200
+    changed = {k: v for k, v in long.overrides.items() if demo.overrides.get(k) != v}
+    assert changed == {f"{ACTOR}.optim.lr_scheduler_type": "constant", STEPS_KEY: "200"}
+    assert set(demo.overrides) - set(long.overrides) == set()
+    assert long.overrides["trainer.test_freq"] == "10"
 
 
 # --- a regime's own validation protocol (regimes.<name>.test_freq / val_max_samples) -----------------

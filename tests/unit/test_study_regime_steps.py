@@ -39,13 +39,15 @@ def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them()
     grid = load_grid(REPO / "recipe" / "sorl" / "study" / "natural.yaml")
     for cell in grid.cells:
         cmd = cell_command(grid, cell, INPUTS, Path("/run"))
-        want = 100 if cell.regime == "demo_long100" else 50
+        want = {"demo_long100": 100, "demo_long200_const": 200}.get(cell.regime, 50)
         assert [a for a in cmd if a.startswith(f"{STEPS_KEY}=")] == [f"{STEPS_KEY}={want}"], cell.key
         # 10 min of start-up + 1 min per step and per validation (step 0 and every test_freq steps)
         every = 5 if cell.regime.endswith("_p5") else 10
         assert default_timeout_s(grid, cell) == 600.0 + 60.0 * want + 60.0 * (1 + want // every)
     long = next(c for c in grid.cells if c.regime == "demo_long100")
     assert default_timeout_s(grid, long) == 7260.0 and default_timeout_s(grid) == 3960.0
+    longer = next(c for c in grid.cells if c.regime == "demo_long200_const")
+    assert default_timeout_s(grid, longer) == 600.0 + 60.0 * 200 + 60.0 * 21
 
 
 def test_run_grid_gives_each_cell_its_own_default_wall_limit(tmp_path, write_grid, cell_wall_limits):

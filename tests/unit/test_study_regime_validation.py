@@ -46,9 +46,14 @@ def test_the_command_carries_each_cells_protocol_and_the_timeout_counts_its_vali
 
 def test_the_natural_grid_keeps_its_timeouts_and_a_p5_cell_counts_11_validations():
     grid = load_grid(REPO / "recipe" / "sorl" / "study" / "natural.yaml")
-    kinds = {(c.regime == "demo_long100", c.regime.endswith("_p5"), default_timeout_s(grid, c)) for c in grid.cells}
-    # a P5 cell: 50 steps validated at 0, 5, ..., 50
-    assert kinds == {(False, False, 3960.0), (True, False, 7260.0), (False, True, 600.0 + 3000.0 + 60.0 * 11)}
+    kinds = {(c.steps, c.regime.endswith("_p5"), default_timeout_s(grid, c)) for c in grid.cells}
+    # a P5 cell: 50 steps validated at 0, 5, ..., 50; the long runs validate every 10 steps
+    assert kinds == {
+        (50, False, 3960.0),
+        (100, False, 7260.0),
+        (200, False, 600.0 + 12000.0 + 60.0 * 21),
+        (50, True, 600.0 + 3000.0 + 60.0 * 11),
+    }
     p5 = Cell(0, "demo_p5", "grpo", 1, {}, steps=50, test_freq=5, val_max_samples=100)
     assert default_timeout_s(grid, p5) == 600.0 + 3000.0 + 60.0 * 11
 
