@@ -48,6 +48,14 @@ several candidates, or copies a retrieved sentence, is paid in full whenever it 
 a shortcut the agent can learn). Partial credit then applies to answers that do not match.
 Multiple choice is unchanged. With ``"substring_em"`` the dict gains ``acc``, correctness by
 exact match, as under the other two knobs.
+
+``wrong_penalty`` (default 0, a finite number in [0, 1]) charges an answered episode whose answer
+is not paid as correct (QA or multiple choice): ``score -= wrong_penalty``, after partial credit;
+an episode without an accepted answer is not charged. At 1 with ``format_score`` 0 this is the
+ternary truthfulness reward (+1 correct, 0 abstained, -1 wrong; TruthRL, arXiv 2509.25760, whose
+abstention is an "I don't know" answer; here it is ending without an accepted answer, and an
+"I don't know" answer is a wrong one): not answering beats a wrong answer, a shortcut the agent can
+learn (answer avoidance) wherever it is unsure. With ``wrong_penalty`` > 0 the dict gains ``acc``, as under the other knobs.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ AGENT_STATS = ("searches", "valid_action_ratio", "finished", "agent_turns")
 PARTIAL_CREDIT_KEY = "reward.custom_reward_function.reward_kwargs.partial_credit"
 SEARCH_COST_KEY = "reward.custom_reward_function.reward_kwargs.search_cost"
 ANSWER_MATCH_KEY = "reward.custom_reward_function.reward_kwargs.answer_match"
+WRONG_PENALTY_KEY = "reward.custom_reward_function.reward_kwargs.wrong_penalty"
 ANSWER_MATCHES = ("em", "substring_em")
 
 
@@ -116,11 +125,13 @@ def compute_score(
     partial_credit: float = 0.0,
     search_cost: float = 0.0,
     answer_match: str = "em",
+    wrong_penalty: float = 0.0,
     **kwargs: Any,
 ) -> dict[str, float]:
     """Score one response; see the module docstring for the rule. Extra kwargs are ignored."""
     partial = check_unit_knob(partial_credit, PARTIAL_CREDIT_KEY)
     cost = check_unit_knob(search_cost, SEARCH_COST_KEY)
+    penalty = check_unit_knob(wrong_penalty, WRONG_PENALTY_KEY)
     if answer_match not in ANSWER_MATCHES:
         raise ValueError(f"{ANSWER_MATCH_KEY}={answer_match!r} is invalid: it must be one of {', '.join(ANSWER_MATCHES)}")
     lenient = answer_match == "substring_em"
@@ -143,6 +154,8 @@ def compute_score(
     score = correct_score if paid else miss_score
     if partial > 0.0 and not mcq and not paid and answer is not None:
         score = shaped_score(score, f1, well_formed, partial, format_penalty)
+    if penalty > 0.0 and not paid and answer is not None:
+        score -= penalty
     result = {
         "score": score,
         "em": em,
@@ -158,6 +171,6 @@ def compute_score(
         result[key] = float(value) if isinstance(value, Real) else 0.0
     if cost > 0.0:
         result["score"] = score - cost * result["searches"]
-    if partial > 0.0 or cost > 0.0 or lenient:
+    if partial > 0.0 or cost > 0.0 or lenient or penalty > 0.0:
         result["acc"] = correctness
     return result

@@ -121,10 +121,14 @@ def test_without_the_override_verl_calls_it_as_before() -> None:
     assert r["score"] == 0.0 and "acc" not in r
 
 
-async def reward_manager_results(*overrides: str, searches: list[int] | None = None) -> list[dict]:
-    """Each episode scored by the reward manager verl builds from the config (built in the running loop)."""
-    manager = load_reward_manager(composed(*overrides), DecodeTable([t for t, _, _ in EPISODES]))
-    counts = searches or [None] * len(EPISODES)
+async def reward_manager_results(
+    *overrides: str, searches: list[int] | None = None, texts: list[str] | None = None
+) -> list[dict]:
+    """Each episode (``texts``, EPISODES' by default) scored by the reward manager verl builds from
+    the config (built in the running loop)."""
+    texts = texts or [t for t, _, _ in EPISODES]
+    manager = load_reward_manager(composed(*overrides), DecodeTable(texts))
+    counts = searches or [None] * len(texts)
     return [await manager.run_single(batch(i, n)) for i, n in enumerate(counts)]
 
 
@@ -189,3 +193,20 @@ async def test_substring_match_regime_pays_a_hedge_in_full() -> None:
     assert metrics["val-core/nq/acc/mean@1"] == pytest.approx(1 / 3)
     assert metrics["val-aux/nq/reward/mean@1"] == pytest.approx(2 / 3)
     assert validation_score(metrics, "val-core/*/acc/mean@*") == pytest.approx(1 / 3)
+
+
+async def test_wrong_penalty_regime_pays_not_answering_over_a_wrong_answer() -> None:
+    """natural.yaml's demo_wrong_penalty cell: the training reward is the ternary one (+1 correct,
+    0 without an accepted answer, -1 wrong, the hedge included), validation and the guard read ``acc``."""
+    args = regime_cell_args("demo_wrong_penalty")
+    assert "+reward.custom_reward_function.reward_kwargs.wrong_penalty=1.0" in args
+    assert "sorl.guard.val_metric=val-core/*/acc/mean@*" in args
+    abstained = "<think>t</think><search>Marie Curie</search>"  # the turn limit reached, no answer
+    results = await reward_manager_results(*args, texts=[*(t for t, _, _ in EPISODES), abstained])
+    assert [r["reward_score"] for r in results] == [-1.0, 1.0, -1.0, 0.0]
+    assert [r["reward_extra_info"]["has_answer"] for r in results] == [1.0, 1.0, 1.0, 0.0]
+    metrics = val_metrics(results)
+    assert metrics["val-core/nq/acc/mean@1"] == pytest.approx(1 / 4)
+    assert metrics["val-aux/nq/reward/mean@1"] == pytest.approx(-1 / 4)
+    assert validation_by_source(metrics) == {"nq": pytest.approx(1 / 4)}
+    assert validation_score(metrics, "val-core/*/acc/mean@*") == pytest.approx(1 / 4)

@@ -24,7 +24,14 @@ from sorl_verl.rewards import compute_score
 from sorl_verl.rewards.extract import loop_verdict, text_verdict
 from sorl_verl.rewards.mcq import letter_match
 from sorl_verl.rewards.qa import exact_match, f1_score, substring_exact_match
-from sorl_verl.rewards.score import AGENT_STATS, ANSWER_MATCH_KEY, MCQ_SOURCES, PARTIAL_CREDIT_KEY, SEARCH_COST_KEY
+from sorl_verl.rewards.score import (
+    AGENT_STATS,
+    ANSWER_MATCH_KEY,
+    MCQ_SOURCES,
+    PARTIAL_CREDIT_KEY,
+    SEARCH_COST_KEY,
+    WRONG_PENALTY_KEY,
+)
 
 #: the keys compute_score returned before partial_credit existed (and still returns at 0)
 KEYS_WITHOUT_ACC = ("score", "em", "f1", "substring_em", "has_answer", "format_ok", "loop_record", *AGENT_STATS)
@@ -281,3 +288,55 @@ def test_invalid_answer_match_is_refused_naming_the_setting(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"answer_match=.* is invalid: it must be one of em, substring_em") as e:
         compute_score("nq", "<answer>x</answer>", GT, answer_match=bad)
     assert ANSWER_MATCH_KEY in str(e.value)
+
+
+@settings(max_examples=1500)
+@given(
+    call=episodes(),
+    knobs=st.fixed_dictionaries(
+        {
+            "partial_credit": st.sampled_from([0.0, 0.5, 1.0]),
+            "search_cost": st.sampled_from([0.0, 0.1]),
+            "answer_match": st.sampled_from(["em", "substring_em"]),
+        }
+    ),
+    penalty=st.floats(0.0, 1.0, exclude_min=True),
+)
+def test_wrong_penalty_charges_answered_episodes_not_paid_as_correct(
+    call: dict[str, Any], knobs: dict[str, Any], penalty: float
+) -> None:
+    without = compute_score(**call, **knobs)
+    got = compute_score(**call, **knobs, wrong_penalty=penalty)
+    assert tuple(got) == (*KEYS_WITHOUT_ACC, "acc")
+    assert got["acc"] == score_before_partial_credit(**call)["score"]  # correctness: no knob
+    paid = got["substring_em"] if knobs["answer_match"] == "substring_em" else got["em"]
+    charged = got["has_answer"] == 1.0 and not paid
+    assert got["score"] == pytest.approx(without["score"] - penalty * charged, abs=1e-12)
+    assert {k: v for k, v in got.items() if k not in ("score", "acc")} == {
+        k: v for k, v in without.items() if k not in ("score", "acc")
+    }
+
+
+def test_wrong_penalty_hand_checked() -> None:
+    """At 1 (format_score 0) the ternary reward: +1 correct, 0 without an accepted answer, -1 wrong."""
+    ternary = {"wrong_penalty": 1.0}
+    assert compute_score("nq", "<answer>Marie Curie</answer>", GT, **ternary)["score"] == 1.0
+    assert compute_score("nq", "<answer>Lyon</answer>", GT, **ternary)["score"] == -1.0
+    assert compute_score("nq", "<answer>I don't know</answer>", GT, **ternary)["score"] == -1.0  # an answer
+    for unanswered in ("<answer>Marie Curie", "<search>Marie Curie</search>", "Marie Curie"):
+        r = compute_score("nq", unanswered, GT, **ternary)
+        assert (r["score"], r["has_answer"], r["acc"]) == (0.0, 0.0, 0.0), unanswered
+    # after partial credit: a hedge keeps its F1 less the penalty
+    r = compute_score("nq", HEDGE, GT, partial_credit=1.0, wrong_penalty=0.5)
+    assert r["score"] == pytest.approx(HEDGE_F1 - 0.5) and r["acc"] == 0.0
+    # multiple choice: a wrong letter is charged, the right one is not
+    gt = {"target": ["B"], "options": OPTIONS}
+    assert compute_score("medqa", "<answer>C</answer>", gt, **ternary)["score"] == -1.0
+    assert compute_score("medqa", "<answer>B</answer>", gt, **ternary)["score"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan, math.inf, "1", None, True])
+def test_invalid_wrong_penalty_is_refused_naming_the_setting(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"wrong_penalty=.* is invalid: it must be a finite number in \[0, 1\]") as e:
+        compute_score("nq", "<answer>x</answer>", GT, wrong_penalty=bad)
+    assert WRONG_PENALTY_KEY in str(e.value)
