@@ -428,7 +428,11 @@ def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     grid = load_grid(STUDY / "natural.yaml")
     assert grid.steps == 50 and grid.regimes["demo_long100"].steps == 100
     long_cells = [c.key for c in grid.cells if c.steps != 50]  # seed 1 first, each
-    assert long_cells == ["demo_long100/grpo/seed1", "demo_long200_const/grpo/seed1"]
+    assert long_cells == [
+        "demo_long100/grpo/seed1",
+        "demo_long200_const/grpo/seed1",
+        "demo_long200_nokl_const/grpo/seed1",
+    ]
     (long,) = [c for c in grid.cells if c.key == "demo_long100/grpo/seed1"]
     demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
     # no override of its own: the demo regime's three restate the recipe's values (the CPU overlay's
@@ -688,3 +692,13 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
     set_anywhere = [grid.common, *(e.overrides for e in [*grid.regimes.values(), *grid.algorithms.values()])]
     set_anywhere += [o for e in grid.algorithms.values() for o in e.per_regime.values()]
     assert not any(k.lstrip("+~") in ("data.seed", "data.shuffle") for o in set_anywhere for k in o)
+
+
+def test_natural_grid_long_run_without_an_anchor_is_demo_nokl_const_for_200_steps():
+    grid = load_grid(STUDY / "natural.yaml")
+    (long,) = [c for c in grid.cells if c.key == "demo_long200_nokl_const/grpo/seed1"]
+    (short,) = [c for c in grid.cells if c.key == "demo_nokl_const/grpo/seed1"]
+    assert long.steps == 200 and short.steps == 50
+    changed = {k: v for k, v in long.overrides.items() if short.overrides.get(k) != v}
+    assert changed == {STEPS_KEY: "200"} and set(short.overrides) == set(long.overrides)
+    assert long.overrides[f"{ACTOR}.use_kl_loss"] in ("false", "False")
