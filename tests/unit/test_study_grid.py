@@ -432,6 +432,7 @@ def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
         "demo_long100/grpo/seed1",
         "demo_long200_const/grpo/seed1",
         "demo_long200_nokl_const/grpo/seed1",
+        "demo_long300_nokl_const/grpo/seed1",
     ]
     (long,) = [c for c in grid.cells if c.key == "demo_long100/grpo/seed1"]
     demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
@@ -694,11 +695,12 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
     assert not any(k.lstrip("+~") in ("data.seed", "data.shuffle") for o in set_anywhere for k in o)
 
 
-def test_natural_grid_long_run_without_an_anchor_is_demo_nokl_const_for_200_steps():
+@pytest.mark.parametrize("steps", [200, 300])
+def test_natural_grid_long_runs_without_an_anchor_are_demo_nokl_const_for_longer(steps: int):
     grid = load_grid(STUDY / "natural.yaml")
-    (long,) = [c for c in grid.cells if c.key == "demo_long200_nokl_const/grpo/seed1"]
+    (long,) = [c for c in grid.cells if c.key == f"demo_long{steps}_nokl_const/grpo/seed1"]
     (short,) = [c for c in grid.cells if c.key == "demo_nokl_const/grpo/seed1"]
-    assert long.steps == 200 and short.steps == 50
+    assert long.steps == steps and short.steps == 50
     changed = {k: v for k, v in long.overrides.items() if short.overrides.get(k) != v}
-    assert changed == {STEPS_KEY: "200"} and set(short.overrides) == set(long.overrides)
+    assert changed == {STEPS_KEY: str(steps)} and set(short.overrides) == set(long.overrides)
     assert long.overrides[f"{ACTOR}.use_kl_loss"] in ("false", "False")

@@ -40,6 +40,7 @@ def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them()
     for cell in grid.cells:
         cmd = cell_command(grid, cell, INPUTS, Path("/run"))
         want = {"demo_long100": 100, "demo_long200_const": 200, "demo_long200_nokl_const": 200}.get(cell.regime, 50)
+        want = 300 if cell.regime == "demo_long300_nokl_const" else want
         assert [a for a in cmd if a.startswith(f"{STEPS_KEY}=")] == [f"{STEPS_KEY}={want}"], cell.key
         # 10 min of start-up + 1 min per step and per validation (step 0 and every test_freq steps)
         every = 5 if cell.regime.endswith("_p5") else 10

@@ -52,6 +52,7 @@ def test_the_natural_grid_keeps_its_timeouts_and_a_p5_cell_counts_11_validations
         (50, False, 3960.0),
         (100, False, 7260.0),
         (200, False, 600.0 + 12000.0 + 60.0 * 21),
+        (300, False, 600.0 + 18000.0 + 60.0 * 31),
         (50, True, 600.0 + 3000.0 + 60.0 * 11),
     }
     p5 = Cell(0, "demo_p5", "grpo", 1, {}, steps=50, test_freq=5, val_max_samples=100)
