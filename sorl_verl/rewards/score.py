@@ -55,7 +55,8 @@ an episode without an accepted answer is not charged. At 1 with ``format_score``
 ternary truthfulness reward (+1 correct, 0 abstained, -1 wrong; TruthRL, arXiv 2509.25760, whose
 abstention is an "I don't know" answer; here it is ending without an accepted answer, and an
 "I don't know" answer is a wrong one): not answering beats a wrong answer, a shortcut the agent can
-learn (answer avoidance) wherever it is unsure. With ``wrong_penalty`` > 0 the dict gains ``acc``, as under the other knobs.
+learn (answer avoidance) wherever it is unsure. With ``wrong_penalty`` > 0 the dict gains ``acc``,
+as under the other knobs.
 """
 
 from __future__ import annotations
