@@ -451,19 +451,6 @@ def test_natural_grid_long_run_is_the_demo_recipe_for_100_steps():
     assert long.overrides[STEPS_KEY] == "100" and long.overrides["trainer.test_freq"] == "10"
 
 
-def test_natural_grid_long_constant_run_is_the_demo_cell_without_decay_for_200_steps():
-    """demo_long200_const differs from the demo cell only in the lr schedule (constant after the
-    recipe's warm-up) and the horizon (200 steps); the KL anchor and the recipe's lr stay."""
-    grid = load_grid(STUDY / "natural.yaml")
-    (long,) = [c for c in grid.cells if c.key == "demo_long200_const/grpo/seed1"]
-    demo = next(c for c in grid.cells if c.key == "demo/grpo/seed1")
-    assert long.steps == 200
-    changed = {k: v for k, v in long.overrides.items() if demo.overrides.get(k) != v}
-    assert changed == {f"{ACTOR}.optim.lr_scheduler_type": "constant", STEPS_KEY: "200"}
-    assert set(demo.overrides) - set(long.overrides) == set()
-    assert long.overrides["trainer.test_freq"] == "10"
-
-
 # --- a regime's own validation protocol (regimes.<name>.test_freq / val_max_samples) -----------------
 
 PROTOCOL_GRID = """\
@@ -695,12 +682,25 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
     assert not any(k.lstrip("+~") in ("data.seed", "data.shuffle") for o in set_anywhere for k in o)
 
 
-@pytest.mark.parametrize("steps", [200, 300])
-def test_natural_grid_long_runs_without_an_anchor_are_demo_nokl_const_for_longer(steps: int):
+@pytest.mark.parametrize(
+    ("regime", "base", "changed", "kl"),
+    [
+        ("demo_long200_const", "demo", {f"{ACTOR}.optim.lr_scheduler_type": "constant", STEPS_KEY: "200"}, None),
+        ("demo_long200_nokl_const", "demo_nokl_const", {STEPS_KEY: "200"}, "false"),
+        ("demo_long300_nokl_const", "demo_nokl_const", {STEPS_KEY: "300"}, "false"),
+    ],
+)
+def test_natural_grid_long_runs_are_their_50_step_base_cell_with_only_the_named_keys_changed(
+    regime: str, base: str, changed: dict[str, str], kl: str | None
+):
+    """Each long run is its base cell (seed 1) with only the horizon changed and, for demo_long200_const,
+    the lr schedule (constant after the recipe's warm-up); the KL setting and the recipe's lr stay the base's
+    (None: the demo recipe's KL loss, set by no override)."""
     grid = load_grid(STUDY / "natural.yaml")
-    (long,) = [c for c in grid.cells if c.key == f"demo_long{steps}_nokl_const/grpo/seed1"]
-    (short,) = [c for c in grid.cells if c.key == "demo_nokl_const/grpo/seed1"]
-    assert long.steps == steps and short.steps == 50
-    changed = {k: v for k, v in long.overrides.items() if short.overrides.get(k) != v}
-    assert changed == {STEPS_KEY: str(steps)} and set(short.overrides) == set(long.overrides)
-    assert long.overrides[f"{ACTOR}.use_kl_loss"] in ("false", "False")
+    (long,) = [c for c in grid.cells if c.key == f"{regime}/grpo/seed1"]
+    (short,) = [c for c in grid.cells if c.key == f"{base}/grpo/seed1"]
+    assert long.steps == int(changed[STEPS_KEY]) and short.steps == 50
+    assert {k: v for k, v in long.overrides.items() if short.overrides.get(k) != v} == changed
+    assert set(short.overrides) <= set(long.overrides)
+    assert long.overrides["trainer.test_freq"] == "10"
+    assert long.overrides.get(f"{ACTOR}.use_kl_loss") == kl

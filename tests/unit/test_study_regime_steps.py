@@ -35,12 +35,20 @@ def grid_text(algorithms: str = "grpo") -> str:
         """
 
 
+#: natural.yaml's regimes with a horizon of their own (every other cell runs the grid's 50 steps)
+LONG_RUN_STEPS = {
+    "demo_long100": 100,
+    "demo_long200_const": 200,
+    "demo_long200_nokl_const": 200,
+    "demo_long300_nokl_const": 300,
+}
+
+
 def test_the_command_carries_each_cells_steps_and_the_timeout_scales_with_them():
     grid = load_grid(REPO / "recipe" / "sorl" / "study" / "natural.yaml")
     for cell in grid.cells:
         cmd = cell_command(grid, cell, INPUTS, Path("/run"))
-        want = {"demo_long100": 100, "demo_long200_const": 200, "demo_long200_nokl_const": 200}.get(cell.regime, 50)
-        want = 300 if cell.regime == "demo_long300_nokl_const" else want
+        want = LONG_RUN_STEPS.get(cell.regime, 50)
         assert [a for a in cmd if a.startswith(f"{STEPS_KEY}=")] == [f"{STEPS_KEY}={want}"], cell.key
         # 10 min of start-up + 1 min per step and per validation (step 0 and every test_freq steps)
         every = 5 if cell.regime.endswith("_p5") else 10
