@@ -153,9 +153,10 @@ def compute_score(
     correctness = correct_score if em else miss_score
     paid = sub_em if lenient else em
     score = correct_score if paid else miss_score
-    if partial > 0.0 and not mcq and not paid and answer is not None:
+    answered_wrong = answer is not None and not paid
+    if partial > 0.0 and not mcq and answered_wrong:
         score = shaped_score(score, f1, well_formed, partial, format_penalty)
-    if penalty > 0.0 and not paid and answer is not None:
+    if penalty > 0.0 and answered_wrong:
         score -= penalty
     result = {
         "score": score,
