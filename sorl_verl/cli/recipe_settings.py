@@ -61,7 +61,7 @@ DEFAULTS: dict[str, str] = {
     "ENTROPY_COEFF": "0", "NUM_MINI_BATCHES": "2", "PPO_EPOCHS": "1", "TRAINER_MODE": "sync", "STALENESS": "4",
     "STALENESS_STRATEGY": "drop", "WARMUP_BATCHES": "1", "ROLLOUT_NNODES": "1", "CHECKPOINT_ENGINE": "nccl",
     "PROJECT_NAME": "sorl", "TOTAL_STEPS": "1005", "TOTAL_EPOCHS": "15", "SAVE_FREQ": "100", "TEST_FREQ": "50",
-    "LOGGER": "[console,tensorboard,file]", "PYTHON": "python3", "VAL_ONLY": "0", "EVAL_STEP": "last", "GUARD": "0",
+    "LOGGER": "[console,tensorboard,file]", "PYTHON": "python3", "VAL_ONLY": "0", "EVAL_STEP": "last", "GUARD": "1",
 }  # fmt: skip
 #: variables without a fixed default (derived, optional, or read as set)
 OTHER_VARIABLES = (

@@ -169,7 +169,7 @@ def test_quickstart_cpu_blocks_run_end_to_end(tmp_path):
     assert list(cfg.data.train_files) == [str(data / "train/nq.parquet"), str(data / "train/hotpotqa.parquet")]
     assert list(cfg.data.val_files) == [str(data / f"test/{ds}.parquet") for ds in QA_TEST_SETS]
     assert cfg.sorl.agent.retrieval_url == f"http://127.0.0.1:{env['PORT']}/retrieve"
-    assert not cfg.sorl.guard.enable and cfg.trainer.test_freq > 0  # GUARD=0, the recipes' default
+    assert cfg.sorl.guard.enable and cfg.sorl.guard.patience == 1 and cfg.trainer.test_freq > 0  # GUARD=1, the default
 
     # 0: the environment file every step sources
     assert f'export SORL_WORK="{work}"' in (work / "env.sh").read_text()

@@ -71,7 +71,7 @@ IDENTITY_KNOBS = {
     "TRAIN_FILES": "/data/other.parquet",
     "MODEL_PATH": "Qwen/Qwen2.5-3B-Instruct",
     "GPUS_PER_NODE": "4",  # FSDP checkpoints are sharded per trainer GPU
-    "GUARD": "1",  # the collapse guard (off by default) restores and backs off: another training
+    "GUARD": "0",  # the collapse guard (on by default) restores and backs off: another training
 }
 #: knobs that only name, schedule, place or fit the run: same run directory (it continues)
 BOOKKEEPING_KNOBS = {
@@ -200,7 +200,7 @@ def test_val_only_evaluates_a_checkpoint_of_this_configuration_in_its_own_direct
         assert got["trainer.resume_mode"] == "resume_path"
         assert got["trainer.resume_from_path"] == f"{run_dir}/checkpoints/global_step_{step}"
         assert got["trainer.default_local_dir"] == f"{work}/checkpoints"  # never the training checkpoints
-        assert "sorl.guard.enable" not in got  # GUARD=0, the default (test_recipe_plan: GUARD=1 turns it off here)
+        assert got["sorl.guard.enable"] == "false"  # GUARD=1, the default: validation only has nothing to guard
         assert got["VERL_FILE_LOGGER_PATH"].startswith(f"{work}/metrics.")
         assert got["TENSORBOARD_DIR"] == f"{work}/tensorboard"
         assert "trainer.total_training_steps" not in got
@@ -275,7 +275,7 @@ def test_multi_node_plans():
         ("run_so_grpo_qwen2.5_7b_search.sh", {"ROLLOUT_TP": "16", "CLUSTER_GPUS_PER_NODE": "16", "GPUS_PER_NODE": "8", "NNODES": "2", "CLUSTER_NODES": "2"},
          "ROLLOUT_TP=16 must divide the 16 rollout GPUs and fit in one node (8 GPUs)"),
         (MAIN, {"TRAIN_BATCH_SIZE": "100", "GROUP_SIZE": "3"}, "TRAIN_BATCH_SIZE x GROUP_SIZE = 100 x 3 = 300 episodes must divide evenly over 8"),
-        ("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "TRAIN_TP": "3"}, "TRAIN_TP x TRAIN_PP = 3 must divide the 8 trainer GPUs"),
+        ("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "TRAIN_TP": "3", "GUARD": "0"}, "TRAIN_TP x TRAIN_PP = 3 must divide the 8 trainer GPUs"),
         (MAIN, {"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE must be a positive integer, got '0'"),
     ],
 )  # fmt: skip

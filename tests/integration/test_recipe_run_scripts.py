@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipe" / "sorl"
 SCRIPTS = sorted(p.name for p in RECIPE.glob("run_*.sh"))
 ALGOS = ("so_grpo", "grpo", "gspo", "so_ppo", "ppo", "turn_ppo", "s_ppo")
-#: the collapse guard as GUARD=1 configures it (the learning study's settings; GUARD=0 is the default)
+#: the collapse guard as GUARD=1, the default, configures it (the learning study's settings)
 STUDY_GUARD = GuardConfig(
     enable=True, rule="drop", drop=0.3, patience=1, backoff=0.5, backoff_target="lr", max_restores=3
 )
@@ -136,9 +136,9 @@ def test_the_issue_s_scripts_exist_and_share_one_helper():
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
-    # every script composes with the guard off (the default) and on: GUARD=1 for every other ALGO
+    # every script composes with the guard on (the default) and off: GUARD=0 for every other ALGO
     guarded = ALGOS.index(algo) % 2 == 1
-    argv, _ = dry_run(script, ALGO=algo, MODEL_PATH=str(tiny_model), **({"GUARD": "1"} if guarded else {}))
+    argv, _ = dry_run(script, ALGO=algo, MODEL_PATH=str(tiny_model), **({} if guarded else {"GUARD": "0"}))
     cfg = compose_argv(argv)
     built = check_with_verl(cfg)
     adv, loss, critic = ALGO_TABLE[algo]
@@ -167,7 +167,7 @@ def test_script_and_algo_compose_against_verl(script, algo, tiny_model):
         # GUARD=1 bounds verl's rotation; verl's checkpoint defaults pass the guard's start-up refusals
         assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (3, 3)
         assert built["actor"].checkpoint.async_save is False
-    else:  # GUARD=0, the default: no guard, verl's own rotation (keep all)
+    else:  # GUARD=0: no guard, verl's own rotation (keep all)
         assert not built["guard"].enable and not any(a.startswith("sorl.guard.") for a in argv)
         assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (None, None)
 

@@ -5,11 +5,11 @@ The golden file holds what the bash implementation of ``recipe/sorl/common.sh`` 
 status) for 123 combinations of run script and variables, captured before the logic moved to
 Python: every script's defaults and its ``separate_async`` variant, every ``ALGO`` on GPU, CPU and
 Megatron, both async modes, engines, run naming, and every start-up failure. The planner must
-reproduce each of them exactly with its defaults, ``GUARD=0`` among them (the bash recipe had no
-collapse guard; GUARD=0 is the default again since the natural-collapse study's verdict,
-docs/results/natural_guard.md); the run scripts' own defaults (``: "${NAME:=value}"``) are read from
-the scripts, as bash applies them. ``GUARD=1`` is checked against that: the same command with the
-guard's overrides at the end of the experiment's. The GPU split and plan are checked as properties."""
+reproduce each of them exactly with ``GUARD=0`` (the bash recipe had no collapse guard); the run
+scripts' own defaults (``: "${NAME:=value}"``) are read from the scripts, as bash applies them.
+``GUARD=1``, the default (again, since the natural-collapse study's verdict of 2026-11-29,
+docs/results/natural_guard.md), is checked against that: the same command with the guard's
+overrides at the end of the experiment's. The GPU split and plan are checked as properties."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def planned(script: str, env: dict[str, str], extra: tuple[str, ...] = ()) -> tu
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=[c["name"] for c in GOLDEN["cases"]])
 def test_planner_reproduces_the_bash_recipe(case):
-    env = dict(case["env"])  # the recipe's defaults, GUARD=0 among them
-    assert "GUARD" not in env
+    assert "GUARD" not in case["env"]
+    env = {"GUARD": "0", **case["env"]}  # the bash recipe had no guard
     if case["rc"] == 0:
         out, err = planned(case["script"], env, tuple(case["extra"]))
         assert out.splitlines() == case["stdout"]
@@ -89,11 +89,11 @@ def test_bad_integers_name_their_variable():
     for name, value in (("GPUS_PER_NODE", "08"), ("STALENESS", "04"), ("TEST_FREQ", "-0x1")):  # as bash refused them
         with pytest.raises(RecipeError, match=rf"^{name} must be .*, got '{value}'"):
             planned("run_so_grpo_qwen2.5_3b_search.sh", {name: value})
-    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1"})[0]
+    assert "trainer.test_freq=-1" in planned("run_so_grpo_qwen2.5_3b_search.sh", {"TEST_FREQ": "-1", "GUARD": "0"})[0]
     with pytest.raises(RecipeError, match="^NUM_MINI_BATCHES must be a positive integer, got '0'"):
         planned("run_so_grpo_qwen2.5_3b_search.sh", {"NUM_MINI_BATCHES": "0"})  # bash: division by 0
     with pytest.raises(RecipeError, match="^MICRO_BATCH_SIZE must be a positive integer"):
-        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0"})
+        planned("run_so_ppo_qwen2.5_7b_search.sh", {"STRATEGY": "megatron", "MICRO_BATCH_SIZE": "0", "GUARD": "0"})
 
 
 def test_the_command_line_prints_the_dry_run_or_exits_2(monkeypatch, capsys, tmp_path):
@@ -166,10 +166,10 @@ MAIN = "run_so_grpo_qwen2.5_3b_search.sh"
         (MAIN, {"PLATFORM": "cpu", "ALGO": "s_ppo"}),
     ],
 )
-def test_guard_off_by_default_and_guard_1_adds_the_study_settings_to_the_experiment(script, env):
-    off = build_launch({**BASE_ENV, **script_defaults(script), **env}, ["x.y=1"], "<r>")
-    assert build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "0"}, ["x.y=1"], "<r>") == off
-    on = build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "1"}, ["x.y=1"], "<r>")
+def test_guard_on_by_default_adds_the_study_settings_to_the_experiment(script, env):
+    off = build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "0"}, ["x.y=1"], "<r>")
+    on = build_launch({**BASE_ENV, **script_defaults(script), **env}, ["x.y=1"], "<r>")
+    assert build_launch({**BASE_ENV, **script_defaults(script), **env, "GUARD": "1"}, ["x.y=1"], "<r>") == on
     books = off.command.index(next(a for a in off.command if a.startswith("trainer.logger=")))
     renamed = [a.replace(off.run.run_dir, on.run.run_dir).replace(off.run.experiment_name, on.run.experiment_name)
                for a in off.command[books:]]  # fmt: skip
@@ -199,7 +199,9 @@ def test_guard_without_validations_stops_before_anything_starts(test_freq):
     assert str(exc.value).startswith(f"GUARD=1 (the collapse guard) chooses its best checkpoint by validation, "
                                      f"but TEST_FREQ={test_freq} runs none during training")  # fmt: skip
     assert "set TEST_FREQ > 0" in str(exc.value) and "or GUARD=0" in str(exc.value)
-    assert f"trainer.test_freq={test_freq}" in planned(MAIN, {"TEST_FREQ": test_freq})[0]  # GUARD=0, the default
+    with pytest.raises(RecipeError, match="^GUARD=1 .*TEST_FREQ"):
+        planned(MAIN, {"TEST_FREQ": test_freq})  # GUARD=1, the default
+    assert f"trainer.test_freq={test_freq}" in planned(MAIN, {"TEST_FREQ": test_freq, "GUARD": "0"})[0]
     # validation only trains nothing: the guard is off there, whatever TEST_FREQ is
     val_only = {"TEST_FREQ": test_freq, "VAL_ONLY": "1", "EVAL_STEP": "base"}
     assert "sorl.guard.enable=false" in planned(MAIN, {**val_only, "GUARD": "1"})[0]
