@@ -92,6 +92,35 @@ def check_agent_settings(config: DictConfig) -> None:
         check_observation_masking(settings.mask_observations, config)
 
 
+def check_steps_fit_epochs(train_rows: int, config: DictConfig) -> None:
+    """Fail before any worker is built where verl's v1 loop would end the run short of its length.
+
+    verl trains ``train_rows // data.train_batch_size`` batches per epoch (the last partial batch
+    dropped) and stops after ``trainer.total_epochs`` epochs even when ``trainer.total_training_steps``
+    asks for more, while the actor's lr schedule (warm-up share, decay) spans
+    ``trainer.total_training_steps``: a run would stop part-way through its schedule without a word.
+    A training set smaller than one batch trains no step at all.
+    """
+    batch = int(config.data.train_batch_size)
+    epochs = int(config.trainer.total_epochs)
+    per_epoch = train_rows // batch
+    if per_epoch == 0:
+        raise ValueError(
+            f"the training set has {train_rows} rows, fewer than one batch (data.train_batch_size={batch}): "
+            "verl would train no step; lower data.train_batch_size or add training rows "
+            "(data.train_files, data.train_max_samples)"
+        )
+    steps = config.trainer.get("total_training_steps")
+    if steps is None or per_epoch * epochs >= int(steps):
+        return
+    raise ValueError(
+        f"trainer.total_training_steps={int(steps)}, but verl stops after trainer.total_epochs={epochs} epochs of "
+        f"{per_epoch} batches ({train_rows} training rows // data.train_batch_size={batch}) = {per_epoch * epochs} "
+        f"steps, while the lr schedule spans {int(steps)}: set trainer.total_epochs >= {-(-int(steps) // per_epoch)} "
+        f"or trainer.total_training_steps <= {per_epoch * epochs}"
+    )
+
+
 def fetch_padded_values(keys: list[str], partition_id: str) -> torch.Tensor | None:
     """Critic values for ``keys`` from TransferQueue as ``(len(keys), max_response_len)``.
 
@@ -150,6 +179,12 @@ class SORLValuesHook:
 
         preflight_from_config(config)
         super().__init__(config)  # type: ignore[call-arg]
+
+    def _init_dataloader(self) -> None:
+        """verl's dataloaders, then :func:`check_steps_fit_epochs` on the training set it built, before
+        any resource pool or worker starts."""
+        super()._init_dataloader()  # type: ignore[misc]
+        check_steps_fit_epochs(len(self.train_dataset), self.config)  # type: ignore[attr-defined]
 
     def on_init_end(self) -> None:
         """After the workers are built: the actor's loss logs the ratio extrema as MAX / MIN
