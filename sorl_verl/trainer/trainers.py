@@ -110,14 +110,16 @@ def check_steps_fit_epochs(train_rows: int, config: DictConfig) -> None:
             "verl would train no step; lower data.train_batch_size or add training rows "
             "(data.train_files, data.train_max_samples)"
         )
-    steps = config.trainer.get("total_training_steps")
-    if steps is None or per_epoch * epochs >= int(steps):
+    asked = config.trainer.get("total_training_steps")
+    trained = per_epoch * epochs
+    if asked is None or trained >= int(asked):
         return
+    steps = int(asked)
     raise ValueError(
-        f"trainer.total_training_steps={int(steps)}, but verl stops after trainer.total_epochs={epochs} epochs of "
-        f"{per_epoch} batches ({train_rows} training rows // data.train_batch_size={batch}) = {per_epoch * epochs} "
-        f"steps, while the lr schedule spans {int(steps)}: set trainer.total_epochs >= {-(-int(steps) // per_epoch)} "
-        f"or trainer.total_training_steps <= {per_epoch * epochs}"
+        f"trainer.total_training_steps={steps}, but verl stops after trainer.total_epochs={epochs} epochs of "
+        f"{per_epoch} batches ({train_rows} training rows // data.train_batch_size={batch}) = {trained} steps, "
+        f"while the lr schedule spans {steps}: set trainer.total_epochs >= {-(-steps // per_epoch)} "
+        f"or trainer.total_training_steps <= {trained}"
     )
 
 
