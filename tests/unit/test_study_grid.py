@@ -688,18 +688,28 @@ def test_natural_grid_p5_regimes_are_two_regimes_validated_every_5_steps_on_100_
         ("demo_long200_const", "demo", {f"{ACTOR}.optim.lr_scheduler_type": "constant", STEPS_KEY: "200"}, None),
         ("demo_long200_nokl_const", "demo_nokl_const", {STEPS_KEY: "200"}, "false"),
         ("demo_long300_nokl_const", "demo_nokl_const", {STEPS_KEY: "300"}, "false"),
+        # memorization: the training set cut to 16 / 8 questions (8: verl's 30 default epochs of one batch
+        # would end the 50 steps at 30, so the regime sets 50)
+        ("demo_train16_nokl_const", "demo_nokl_const", {"data.train_max_samples": "16"}, "false"),
+        (
+            "demo_train8_nokl_const",
+            "demo_nokl_const",
+            {"data.train_max_samples": "8", "trainer.total_epochs": "50"},
+            "false",
+        ),
     ],
 )
-def test_natural_grid_long_runs_are_their_50_step_base_cell_with_only_the_named_keys_changed(
+def test_natural_grid_regimes_are_their_base_cell_with_only_the_named_keys_changed(
     regime: str, base: str, changed: dict[str, str], kl: str | None
 ):
     """Each long run is its base cell (seed 1) with only the horizon changed and, for demo_long200_const,
-    the lr schedule (constant after the recipe's warm-up); the KL setting and the recipe's lr stay the base's
-    (None: the demo recipe's KL loss, set by no override)."""
+    the lr schedule (constant after the recipe's warm-up); each memorization regime is demo_nokl_const with
+    only its training set cut; the KL setting and the recipe's lr stay the base's (None: the demo recipe's
+    KL loss, set by no override)."""
     grid = load_grid(STUDY / "natural.yaml")
     (long,) = [c for c in grid.cells if c.key == f"{regime}/grpo/seed1"]
     (short,) = [c for c in grid.cells if c.key == f"{base}/grpo/seed1"]
-    assert long.steps == int(changed[STEPS_KEY]) and short.steps == 50
+    assert long.steps == int(changed.get(STEPS_KEY, 50)) and short.steps == 50
     assert {k: v for k, v in long.overrides.items() if short.overrides.get(k) != v} == changed
     assert set(short.overrides) <= set(long.overrides)
     assert long.overrides["trainer.test_freq"] == "10"
