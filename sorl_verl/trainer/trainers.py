@@ -111,10 +111,11 @@ def check_steps_fit_epochs(train_rows: int, config: DictConfig) -> None:
             "(data.train_files, data.train_max_samples)"
         )
     asked = config.trainer.get("total_training_steps")
-    trained = per_epoch * epochs
-    if asked is None or trained >= int(asked):
+    if asked is None:
         return
-    steps = int(asked)
+    steps, trained = int(asked), per_epoch * epochs
+    if trained >= steps:
+        return
     raise ValueError(
         f"trainer.total_training_steps={steps}, but verl stops after trainer.total_epochs={epochs} epochs of "
         f"{per_epoch} batches ({train_rows} training rows // data.train_batch_size={batch}) = {trained} steps, "
